@@ -1,0 +1,73 @@
+"""Turning failures into one line on stderr and the documented exit code."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from ckptctl.errors import CkptctlError, ExitCode, Interrupted
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEBUG_ENV = "CKPTCTL_DEBUG"
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "no")
+
+
+def _rank_prefix() -> str:
+    world = os.environ.get("WORLD_SIZE", "1")
+    return f"[rank {os.environ.get('RANK', '0')}] " if world not in ("", "1") else ""
+
+
+def print_error(message: str) -> None:
+    # Plain write, not Rich: an error must reach stderr even if Rich itself is the problem.
+    prefix = _rank_prefix()
+    sys.stderr.write(f"{prefix}error: {message}\n")
+    sys.stderr.flush()
+
+
+def _raise_interrupted(signum: int, _frame: Any) -> None:
+    raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM (torchrun tearing a job down) ends a command like Ctrl-C: exit 130, cleanly."""
+    with contextlib.suppress(ValueError):  # ValueError: not the main thread (a test runner)
+        signal.signal(signal.SIGTERM, _raise_interrupted)
+
+
+def handle_errors(func: F) -> F:
+    """Wrap a command: CkptctlError → one stderr line + its exit code; bugs → exit 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except CkptctlError as exc:
+            if debug_enabled():
+                traceback.print_exc()
+            print_error(str(exc))
+            raise typer.Exit(int(exc.exit_code)) from None
+        except KeyboardInterrupt:
+            print_error("interrupted")
+            raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: never a bare traceback
+            if debug_enabled():
+                traceback.print_exc()
+            hint = "" if debug_enabled() else f" (set {DEBUG_ENV}=1 for the traceback)"
+            print_error(f"internal error: {type(exc).__name__}: {exc}{hint}")
+            raise typer.Exit(int(ExitCode.FAILED)) from None
+
+    return wrapper  # type: ignore[return-value]

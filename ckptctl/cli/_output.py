@@ -1,0 +1,60 @@
+"""How every command talks: results on stdout, logs and progress on stderr.
+
+- `--json`: stdout holds exactly one JSON document (written by rank 0 only).
+- logs: stderr, plain lines; other ranks prefix theirs with their rank.
+- progress: Rich displays only on rank 0 and only when stderr is a terminal; Rich itself
+  honours NO_COLOR / FORCE_COLOR / TTY_COMPATIBLE.
+- `-q/--quiet`: no logs or progress; errors and warnings still print.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from ckptctl.launch import LaunchInfo, launch_info
+
+
+class Output:
+    def __init__(
+        self, *, json_mode: bool = False, quiet: bool = False, launch: LaunchInfo | None = None
+    ) -> None:
+        self.json_mode = json_mode
+        self.quiet = quiet
+        self.launch = launch or launch_info()
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.out = Console(highlight=False, soft_wrap=True)
+        # Live displays only where a person is watching, and only once per job.
+        self.interactive = self.err.is_terminal and self.launch.is_primary and not quiet
+
+    @property
+    def is_primary(self) -> bool:
+        return self.launch.is_primary
+
+    def _prefix(self) -> str:
+        return f"[rank {self.launch.rank}] " if self.launch.world_size > 1 else ""
+
+    def log(self, message: str) -> None:
+        """A progress or diagnostic line on stderr (silenced by --quiet)."""
+        if not self.quiet:
+            self.err.print(f"{self._prefix()}{message}", markup=False)
+
+    def warn(self, message: str) -> None:
+        self.err.print(f"{self._prefix()}warning: {message}", style="yellow", markup=False)
+
+    def error(self, message: str) -> None:
+        self.err.print(f"{self._prefix()}error: {message}", style="bold red", markup=False)
+
+    def result(self, doc: dict[str, Any]) -> None:
+        """The command's JSON result: exactly one document on stdout, from rank 0."""
+        if self.is_primary:
+            sys.stdout.write(json.dumps(doc, indent=None, separators=(",", ":")) + "\n")
+            sys.stdout.flush()
+
+    def show(self, renderable: Any) -> None:
+        """Human-readable results (tables, summaries) on stdout, from rank 0, not with --json."""
+        if self.is_primary and not self.json_mode:
+            self.out.print(renderable)

@@ -1,0 +1,114 @@
+"""`ckptctl wait-ready`: block until the inference server is up (for shell scripts)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Annotated
+
+import typer
+
+from ckptctl.cli._choices import EngineChoice, ReadyCondition
+from ckptctl.cli._options import (
+    DEFAULT_ENDPOINT,
+    ApiKeyOpt,
+    EndpointOpt,
+    EngineOpt,
+    JsonOpt,
+    QuietOpt,
+    UdsOpt,
+)
+from ckptctl.cli._output import Output
+from ckptctl.errors import DeadlineExceeded, UsageError
+
+
+def wait_ready_command(
+    endpoint: EndpointOpt = DEFAULT_ENDPOINT,
+    uds: UdsOpt = None,
+    engine: EngineOpt = EngineChoice.sglang,
+    for_: Annotated[
+        ReadyCondition,
+        typer.Option(
+            "--for",
+            help="listening: the server answers HTTP at all (SGLang's 503 while it waits for "
+            "its first weights counts); healthy: its health endpoint answers 200.",
+        ),
+    ] = ReadyCondition.listening,
+    weight_version: Annotated[
+        str | None,
+        typer.Option(
+            "--weight-version",
+            help="Also wait until the server reports this weight version (SGLang only).",
+        ),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=0.0, help="Give up after this many seconds (exit 4).")
+    ] = 300.0,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.01, help="Seconds between attempts.")
+    ] = 0.5,
+    attempt_timeout: Annotated[
+        float,
+        typer.Option(
+            "--attempt-timeout", min=0.05, help="Seconds one attempt may wait for an answer."
+        ),
+    ] = 5.0,
+    api_key: ApiKeyOpt = None,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Wait until the inference server answers (or is healthy, or serves a weight version).
+
+    Example: [bold]ckptctl wait-ready --timeout 600 && torchrun ... ckptctl update ...[/bold]
+    """
+    from ckptctl.readiness import Prober, wait_ready
+    from ckptctl.server import ServerAddress
+
+    out = Output(json_mode=json_output, quiet=quiet)
+    if weight_version is not None and engine is EngineChoice.vllm:
+        raise UsageError("--weight-version needs --engine sglang: vLLM reports no weight version")
+    address = ServerAddress(endpoint=endpoint, uds=uds, api_key=api_key)
+    goal = f"{for_.value}" + (f" with weight version {weight_version!r}" if weight_version else "")
+    out.log(f"waiting up to {timeout:g}s for {address.describe()} to be {goal}")
+
+    last_status: list[str] = []
+    status_ctx = (
+        out.err.status(f"waiting for {address.describe()}", spinner="dots")
+        if out.interactive
+        else contextlib.nullcontext()
+    )
+
+    def on_attempt(probe, attempts: int, elapsed: float) -> None:  # type: ignore[no-untyped-def]
+        if status_ctx is not None and out.interactive:
+            status_ctx.update(  # type: ignore[union-attr]
+                f"waiting for {address.describe()} to be {goal} · {elapsed:.1f}s · "
+                f"{attempts} attempts · last: {probe.status}"
+            )
+        elif not last_status or last_status[-1] != probe.status:
+            # Without a terminal: one line per change of state, not one per poll.
+            out.log(f"{elapsed:6.1f}s  {probe.status}")
+        last_status.append(probe.status)
+
+    prober = Prober(address, engine.value, for_.value, weight_version)  # type: ignore[arg-type]
+    try:
+        with status_ctx:
+            result = wait_ready(
+                prober,
+                timeout=timeout,
+                interval=interval,
+                attempt_timeout=attempt_timeout,
+                on_attempt=on_attempt,
+            )
+    finally:
+        prober.close()
+
+    if json_output:
+        out.result(result.as_json())
+    if not result.ready:
+        raise DeadlineExceeded(
+            f"{address.describe()} was not {goal} within {timeout:g}s "
+            f"({result.attempts} attempts, last: {result.last_status}); "
+            "check that the server is running, or raise --timeout"
+        )
+    out.log(
+        f"ready after {result.elapsed_s:.1f}s ({result.attempts} attempts): {result.last_status}"
+    )

@@ -1,0 +1,44 @@
+"""Errors that end a command, each carrying its documented exit code.
+
+The CLI layer turns a `CkptctlError` into one line on stderr and its exit code; anything else
+is a bug and is reported as an internal error (the traceback is shown with CKPTCTL_DEBUG=1).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILED = 1  # the operation failed: the server refused or broke off, a rank failed
+    USAGE = 2  # a bad or missing flag
+    INVALID_INPUT = 3  # a checkpoint or metas file that is missing, malformed or unsafe
+    TIMEOUT = 4  # the server was not ready in time, or a step ran past --timeout
+    INTERRUPTED = 130
+
+
+class CkptctlError(Exception):
+    """Base class: `str(err)` is the one line the user sees."""
+
+    exit_code: ExitCode = ExitCode.FAILED
+
+
+class OperationFailed(CkptctlError):
+    exit_code = ExitCode.FAILED
+
+
+class UsageError(CkptctlError):
+    exit_code = ExitCode.USAGE
+
+
+class InvalidInput(CkptctlError):
+    exit_code = ExitCode.INVALID_INPUT
+
+
+class DeadlineExceeded(CkptctlError):
+    exit_code = ExitCode.TIMEOUT
+
+
+class Interrupted(CkptctlError):
+    exit_code = ExitCode.INTERRUPTED

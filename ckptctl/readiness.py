@@ -1,0 +1,143 @@
+"""Poll an inference server until it is listening, healthy, or serving a given weight version.
+
+Every wait is bounded: each attempt has its own timeout, clipped to what is left of the
+overall deadline, so a server that accepts and never answers cannot hold us past it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+
+from ckptctl.server import (
+    CONTRACTS,
+    EngineContract,
+    ServerAddress,
+    describe_failure,
+    make_client,
+    parse_json_object,
+)
+
+Condition = Literal["listening", "healthy"]
+CONDITIONS: tuple[Condition, ...] = ("listening", "healthy")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The outcome of one attempt."""
+
+    ready: bool
+    status: str  # short, for humans: "HTTP 503", "connection refused", "weight version 'v1'"
+    http_status: int | None = None
+    weight_version: str | None = None
+
+
+@dataclass(frozen=True)
+class WaitResult:
+    ready: bool
+    elapsed_s: float
+    attempts: int
+    last_status: str
+    weight_version: str | None = None
+
+    def as_json(self) -> dict[str, object]:
+        doc: dict[str, object] = {
+            "ready": self.ready,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "attempts": self.attempts,
+            "last_status": self.last_status,
+        }
+        if self.weight_version is not None:
+            doc["weight_version"] = self.weight_version
+        return doc
+
+
+def read_weight_version(client: httpx.Client, contract: EngineContract) -> tuple[str | None, str]:
+    """(version, status) from the first endpoint this server version has; version None if unread."""
+    last = "no weight-version endpoint answered"
+    for path in contract.weight_version_paths:
+        response = client.get(path)
+        if response.status_code == 404:
+            continue  # an older or newer SGLang: try the next endpoint
+        if response.status_code != 200:
+            return None, f"{path} answered HTTP {response.status_code}"
+        doc = parse_json_object(response)
+        if doc is None or "weight_version" not in doc:
+            last = f"{path} answered without a weight_version"
+            continue
+        return str(doc["weight_version"]), f"weight version {doc['weight_version']!r}"
+    return None, last
+
+
+class Prober:
+    """One client, reused across attempts; each attempt is bounded by `attempt_timeout`."""
+
+    def __init__(
+        self,
+        address: ServerAddress,
+        engine: str = "sglang",
+        condition: Condition = "listening",
+        weight_version: str | None = None,
+    ) -> None:
+        self.address = address
+        self.contract = CONTRACTS[engine]
+        self.condition = condition
+        self.weight_version = weight_version
+        self._client = make_client(address, timeout=5.0)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def probe(self, attempt_timeout: float) -> Probe:
+        self._client.timeout = httpx.Timeout(attempt_timeout)
+        path = (
+            self.contract.listening_path
+            if self.condition == "listening"
+            else self.contract.health_path
+        )
+        try:
+            response = self._client.get(path)
+            code = response.status_code
+            up = True if self.condition == "listening" else code == 200
+            if not up or self.weight_version is None:
+                return Probe(up, f"HTTP {code}", code)
+            version, status = read_weight_version(self._client, self.contract)
+            return Probe(version == self.weight_version, status, code, version)
+        except httpx.HTTPError as exc:  # every transport failure is "not ready yet"
+            return Probe(False, describe_failure(exc, self.address, attempt_timeout))
+
+
+def wait_ready(
+    prober: Prober,
+    *,
+    timeout: float,
+    interval: float,
+    attempt_timeout: float = 5.0,
+    on_attempt: Callable[[Probe, int, float], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> WaitResult:
+    """Probe until ready or until `timeout` seconds have passed (never much longer)."""
+    start = clock()
+    deadline = start + timeout
+    attempts = 0
+    probe = Probe(False, "not tried")
+    while True:
+        remaining = deadline - clock()
+        if remaining <= 0 and attempts > 0:
+            break
+        attempts += 1
+        probe = prober.probe(max(min(attempt_timeout, remaining), 0.05))
+        elapsed = clock() - start
+        if on_attempt is not None:
+            on_attempt(probe, attempts, elapsed)
+        if probe.ready:
+            return WaitResult(True, elapsed, attempts, probe.status, probe.weight_version)
+        remaining = deadline - clock()
+        if remaining <= 0:
+            break
+        time.sleep(min(interval, remaining))
+    return WaitResult(False, clock() - start, attempts, probe.status, probe.weight_version)

@@ -1,0 +1,105 @@
+"""Talking to the inference server over HTTP (TCP or a Unix socket): what each engine answers.
+
+Only httpx is imported here, so `wait-ready` starts fast. The answers each engine and version
+gives are summarised in docs of the project (SGLang 0.5.4–0.5.23, vLLM dev mode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+Engine = Literal["sglang", "vllm"]
+ENGINES: tuple[Engine, ...] = ("sglang", "vllm")
+API_KEY_ENV = "CKPTCTL_API_KEY"
+
+
+@dataclass(frozen=True)
+class EngineContract:
+    """The endpoints of one engine that ckptctl uses."""
+
+    name: Engine
+    listening_path: str  # any HTTP answer here means the server is up
+    health_path: str  # 200 here means healthy
+    # Where the current weight version can be read, tried in order (newest SGLang first).
+    weight_version_paths: tuple[str, ...]
+
+
+CONTRACTS: dict[str, EngineContract] = {
+    # SGLang 0.5.23 answers /ping with 503 until its first weights arrive: still "listening".
+    "sglang": EngineContract(
+        "sglang", "/ping", "/health", ("/model_info", "/get_weight_version", "/get_model_info")
+    ),
+    # vLLM's /health ignores weights entirely; it has no weight version to read back.
+    "vllm": EngineContract("vllm", "/health", "/health", ()),
+}
+
+
+@dataclass(frozen=True)
+class ServerAddress:
+    endpoint: str = "http://localhost:19730"
+    uds: str | None = None
+    api_key: str | None = None  # sent as a Bearer token; never printed
+
+    def describe(self) -> str:
+        return f"{self.endpoint} (via Unix socket {self.uds})" if self.uds else self.endpoint
+
+
+def make_client(address: ServerAddress, timeout: float) -> httpx.Client:
+    """An httpx client for `address`; `trust_env=False` keeps proxy settings off loopback calls."""
+    headers = {"Authorization": f"Bearer {address.api_key}"} if address.api_key else {}
+    transport = httpx.HTTPTransport(uds=address.uds) if address.uds else None
+    return httpx.Client(
+        base_url=address.endpoint,
+        headers=headers,
+        timeout=timeout,
+        transport=transport,
+        trust_env=False,
+    )
+
+
+def describe_failure(exc: BaseException, address: ServerAddress, timeout: float) -> str:
+    """A short, key-free description of why a request got no HTTP answer."""
+    if address.uds and isinstance(exc, httpx.ConnectError) and not os.path.exists(address.uds):
+        return f"no Unix socket at {address.uds}"
+    if isinstance(exc, httpx.ConnectTimeout):
+        return f"connect timed out after {timeout:g}s"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer within {timeout:g}s"
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused" if "refused" in str(exc).lower() else "cannot connect"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "connection closed without a valid HTTP answer"
+    if isinstance(exc, httpx.ReadError | httpx.WriteError):
+        return "connection reset"
+    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+        return f"bad endpoint URL {address.endpoint!r}"
+    return type(exc).__name__
+
+
+def parse_json_object(response: httpx.Response) -> dict[str, Any] | None:
+    """The body as a JSON object, or None when it is not one (garbage, HTML, a list...)."""
+    try:
+        doc = json.loads(response.content)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def server_message(response: httpx.Response, limit: int = 500) -> str:
+    """What the server said, for error lines: its `message` (SGLang), `detail`/`error`, or text."""
+    doc = parse_json_object(response)
+    if doc is not None:
+        for key in ("message", "detail", "error"):
+            value = doc.get(key)
+            if isinstance(value, dict):
+                value = value.get("message", value)
+            if value:
+                text = value if isinstance(value, str) else json.dumps(value)
+                return text[:limit]
+    text = response.text.strip().replace("\n", " ")
+    return text[:limit] if text else "(empty body)"
