@@ -1,0 +1,30 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   - create .venv, install ckptctl, show it planning a real checkpoint (no GPU needed)
+#   make test   - create .venv, install ckptctl with test extras, run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint completions
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Keep a torch that is already there; otherwise take 2.13.0 (the CPU build our machines carry).
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/ckptctl --help
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+completions: setup
+	$(BIN)/python completions/generate.py

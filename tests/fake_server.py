@@ -1,0 +1,326 @@
+"""Real HTTP servers on loopback or a Unix socket that answer the way SGLang and vLLM answer.
+
+`FakeServer` speaks the contract of one engine version (see the project's sglang-contract notes):
+
+- SGLang <= 0.5.22: `/ping` 200 at once; 0.5.23: `/ping` 503 until the first weights arrive.
+- `/health` 503 while waiting for weights, 200 after.
+- `/model_info` (0.5.9+), `/get_weight_version` (up to 0.5.20), `/get_model_info`.
+- `POST /update_weights_from_ipc`: 200 `{"success": true, ...}` or 400 `{"success": false, ...}`.
+- vLLM: `/health` 200 from the start, `POST /collective_rpc` → `{"results": [...]}`.
+
+It can also misbehave: hang (accept, never answer), reset the connection, answer garbage, 5xx,
+require an API key. The `/update_weights_from_ipc` and `/collective_rpc` handlers call a
+pluggable `on_update(zmq_handles, body)` so the GPU receiver can do the real IPC load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+# Which read-back endpoints each SGLang version has.
+SGLANG_PROFILES: dict[str, dict[str, Any]] = {
+    "sglang-0.5.4": {
+        "ping_503_before_weights": False,
+        "model_info": False,
+        "get_weight_version": True,
+    },
+    "sglang-0.5.14": {
+        "ping_503_before_weights": False,
+        "model_info": True,
+        "get_weight_version": True,
+    },
+    "sglang-0.5.22": {
+        "ping_503_before_weights": False,
+        "model_info": True,
+        "get_weight_version": False,
+    },
+    "sglang-0.5.23": {
+        "ping_503_before_weights": True,
+        "model_info": True,
+        "get_weight_version": False,
+    },
+}
+PROFILES = (*SGLANG_PROFILES, "vllm")
+
+# (zmq_handles, request body) -> None on success, or raise to fail the update with that message.
+UpdateHandler = Callable[[dict[str, str], dict[str, Any]], None]
+
+
+@dataclass
+class Behaviour:
+    """What the server does; tests change fields while it runs."""
+
+    profile: str = "sglang-0.5.23"
+    weights_loaded: bool = False
+    weight_version: str = "default"
+    # misbehaviour for every request: None | "hang" | "reset" | "garbage" | "http500" | "bad_json"
+    mode: str | None = None
+    api_key: str | None = None
+    update_status: int = 200  # 400 → refuse with update_message
+    update_message: str = "IPC weight update completed successfully"
+    update_delay_s: float = 0.0
+    on_update: UpdateHandler | None = None
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: Any  # _TCPServer | _UnixServer, both carry .behaviour and .stopping
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - keep tests quiet
+        pass
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _send_json(self, status: int, doc: Any) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _send_empty(self, status: int) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _read_body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _misbehave(self) -> bool:
+        """Apply the server-wide misbehaviour; True when the request has been dealt with."""
+        b: Behaviour = self.server.behaviour
+        if b.mode == "hang":
+            while not self.server.stopping.wait(0.05):
+                pass
+            self.close_connection = True
+            return True
+        if b.mode == "reset":
+            # SO_LINGER 0 turns close() into a TCP RST.
+            with contextlib.suppress(OSError):
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                )
+            self.close_connection = True
+            self.connection.close()
+            return True
+        if b.mode == "garbage":
+            self.wfile.write(b"\x00\xffNOT HTTP AT ALL\r\n\r\n")
+            self.close_connection = True
+            return True
+        if b.mode == "http500":
+            self._send_json(500, {"detail": "Internal Server Error"})
+            return True
+        return False
+
+    def _authorised(self) -> bool:
+        b: Behaviour = self.server.behaviour
+        if b.api_key is None or self.headers.get("Authorization") == f"Bearer {b.api_key}":
+            return True
+        self._send_json(401, {"error": "Unauthorized"})
+        return False
+
+    def _record(self, method: str, body: bytes) -> None:
+        self.server.behaviour.requests.append(
+            {"method": method, "path": self.path, "headers": dict(self.headers), "body": body}
+        )
+
+    # -- routes -----------------------------------------------------------------------------
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._record("GET", b"")
+        if self._misbehave() or not self._authorised():
+            return
+        b: Behaviour = self.server.behaviour
+        path = self.path.split("?")[0]
+        if b.profile == "vllm":
+            if path == "/health":
+                return self._send_empty(200)
+            return self._send_json(404, {"detail": "Not Found"})
+        prof = SGLANG_PROFILES[b.profile]
+        ready = b.weights_loaded
+        if path == "/ping":
+            return self._send_empty(503 if (prof["ping_503_before_weights"] and not ready) else 200)
+        if path in ("/health", "/health_generate"):
+            return self._send_empty(200 if ready else 503)
+        if path == "/model_info" and prof["model_info"] or path == "/get_model_info":
+            if b.mode == "bad_json":
+                return self._send_raw(200, b"<html>not json</html>")
+            return self._send_json(
+                200,
+                {
+                    "model_path": "Qwen/Qwen3-8B",
+                    "tokenizer_path": "Qwen/Qwen3-8B",
+                    "is_generation": True,
+                    "weight_version": b.weight_version,
+                },
+            )
+        if path == "/get_weight_version" and prof["get_weight_version"]:
+            return self._send_json(200, {"weight_version": b.weight_version})
+        return self._send_json(404, {"detail": "Not Found"})
+
+    def _send_raw(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = self._read_body()
+        self._record("POST", body)
+        if self._misbehave() or not self._authorised():
+            return
+        b: Behaviour = self.server.behaviour
+        path = self.path.split("?")[0]
+        try:
+            doc = json.loads(body or b"null")
+        except ValueError:
+            doc = None
+        if b.profile == "vllm" and path == "/collective_rpc":
+            if not isinstance(doc, dict) or "method" not in doc:
+                return self._send_json(400, {"error": "Missing 'method' in request body"})
+            if doc["method"] != "update_weights_from_ipc":
+                return self._send_json(500, {"error": f"unknown method {doc['method']}"})
+            handles = (doc.get("args") or [{}])[0]
+            return self._apply_update(handles, doc, vllm=True)
+        if b.profile != "vllm" and path == "/update_weights_from_ipc":
+            if not isinstance(doc, dict) or not isinstance(doc.get("zmq_handles"), dict):
+                return self._send_json(
+                    400,
+                    {
+                        "object": "error",
+                        "message": "zmq_handles: Field required",
+                        "type": "BadRequestError",
+                        "code": 400,
+                    },
+                )
+            return self._apply_update(doc["zmq_handles"], doc, vllm=False)
+        return self._send_json(404, {"detail": "Not Found"})
+
+    def _apply_update(self, handles: dict[str, str], doc: dict[str, Any], *, vllm: bool) -> None:
+        b: Behaviour = self.server.behaviour
+        if b.update_delay_s:
+            time.sleep(b.update_delay_s)
+        if b.update_status != 200:
+            if vllm:
+                return self._send_json(b.update_status, {"error": b.update_message})
+            return self._send_json(b.update_status, {"success": False, "message": b.update_message})
+        try:
+            if b.on_update is not None:
+                b.on_update(handles, doc)
+        except Exception as exc:  # noqa: BLE001 - the server reports it like SGLang does
+            if vllm:
+                return self._send_json(500, {"error": f"{type(exc).__name__}: {exc}"})
+            return self._send_json(
+                400, {"success": False, "message": f"IPC weight update failed: {exc}"}
+            )
+        b.weights_loaded = True
+        if vllm:
+            return self._send_json(200, {"results": [None]})
+        message = "IPC weight update completed successfully"
+        if doc.get("weight_version") is not None:
+            b.weight_version = str(doc["weight_version"])
+            message += f" Weight version updated to {b.weight_version}."
+        return self._send_json(200, {"success": True, "message": message})
+
+
+class _TCPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _UnixServer(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+
+
+class FakeServer:
+    """Start with `FakeServer(...).start()`, stop with `.stop()`; also a context manager."""
+
+    def __init__(
+        self, behaviour: Behaviour | None = None, *, uds: str | None = None, port: int = 0
+    ) -> None:
+        self.behaviour = behaviour or Behaviour()
+        self.uds = uds
+        self.port = port
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return "http://localhost" if self.uds else f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FakeServer:
+        if self.uds:
+            if os.path.exists(self.uds):
+                os.unlink(self.uds)
+            server: Any = _UnixServer(self.uds, _Handler)
+        else:
+            server = _TCPServer(("127.0.0.1", self.port), _Handler)
+            self.port = server.server_address[1]
+        server.behaviour = self.behaviour
+        server.stopping = threading.Event()
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+        self._thread.daemon = True
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.stopping.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._server = None
+        if self.uds and os.path.exists(self.uds):
+            os.unlink(self.uds)
+
+    def __enter__(self) -> FakeServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    """`python tests/fake_server.py --port N --profile P` for manual runs and subprocess tests."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--uds")
+    parser.add_argument("--profile", default="sglang-0.5.23", choices=PROFILES)
+    parser.add_argument("--mode")
+    parser.add_argument("--delay", type=float, default=0.0, help="open the port after N seconds")
+    args = parser.parse_args()
+    time.sleep(args.delay)
+    server = FakeServer(
+        Behaviour(profile=args.profile, mode=args.mode), uds=args.uds, port=args.port
+    )
+    server.start()
+    print(f"listening on {server.endpoint}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

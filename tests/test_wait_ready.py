@@ -1,0 +1,458 @@
+"""`ckptctl wait-ready` against real HTTP servers that answer like SGLang / vLLM, and misbehave."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ckptctl_script, invoke, run_script
+from fake_server import Behaviour, FakeServer, free_port
+
+FAST = ["--interval", "0.05", "--attempt-timeout", "0.5"]
+
+
+def _json(result) -> dict:  # type: ignore[no-untyped-def]
+    docs = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(docs) == 1, f"expected one JSON document on stdout, got {result.stdout!r}"
+    return json.loads(docs[0])
+
+
+# -- readiness semantics per engine version ---------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", ["sglang-0.5.4", "sglang-0.5.22", "sglang-0.5.23", "vllm"])
+def test_listening_counts_any_answer_even_503_before_weights(profile: str) -> None:
+    with FakeServer(Behaviour(profile=profile)) as s:
+        r = invoke(
+            "wait-ready",
+            "--endpoint",
+            s.endpoint,
+            "--engine",
+            "vllm" if profile == "vllm" else "sglang",
+            "--timeout",
+            "5",
+            "--json",
+            *FAST,
+        )
+    assert r.exit_code == 0, r.stderr
+    doc = _json(r)
+    assert doc["ready"] is True and doc["attempts"] == 1
+    assert doc["elapsed_s"] < 2
+
+
+def test_healthy_waits_for_weights_then_succeeds(server: FakeServer) -> None:
+    def load_weights_later() -> None:
+        time.sleep(0.6)
+        server.behaviour.weights_loaded = True
+
+    threading.Thread(target=load_weights_later, daemon=True).start()
+    r = invoke(
+        "wait-ready",
+        "--endpoint",
+        server.endpoint,
+        "--for",
+        "healthy",
+        "--timeout",
+        "10",
+        "--json",
+        *FAST,
+    )
+    assert r.exit_code == 0, r.stderr
+    doc = _json(r)
+    assert doc["ready"] is True
+    assert doc["attempts"] > 1
+    assert 0.5 <= doc["elapsed_s"] < 5
+
+
+def test_healthy_times_out_with_exit_4_and_json(server: FakeServer) -> None:
+    t0 = time.monotonic()
+    r = invoke(
+        "wait-ready",
+        "--endpoint",
+        server.endpoint,
+        "--for",
+        "healthy",
+        "--timeout",
+        "0.8",
+        "--json",
+        *FAST,
+    )
+    took = time.monotonic() - t0
+    assert r.exit_code == 4
+    doc = _json(r)
+    assert doc["ready"] is False and doc["attempts"] >= 2
+    assert "HTTP 503" in r.stderr
+    assert r.stderr.count("error:") == 1 and "Traceback" not in r.stderr
+    assert took < 0.8 + 0.05 + 0.5 + 0.5  # deadline + interval + attempt timeout + slack
+
+
+@pytest.mark.parametrize("profile", ["sglang-0.5.4", "sglang-0.5.14", "sglang-0.5.23"])
+def test_weight_version_read_back_on_each_sglang_version(profile: str) -> None:
+    with FakeServer(Behaviour(profile=profile, weights_loaded=True, weight_version="v1")) as s:
+        ok = invoke(
+            "wait-ready",
+            "--endpoint",
+            s.endpoint,
+            "--weight-version",
+            "v1",
+            "--timeout",
+            "3",
+            "--json",
+            *FAST,
+        )
+        assert ok.exit_code == 0, ok.stderr
+        assert _json(ok)["weight_version"] == "v1"
+        wrong = invoke(
+            "wait-ready",
+            "--endpoint",
+            s.endpoint,
+            "--weight-version",
+            "v2",
+            "--timeout",
+            "0.5",
+            *FAST,
+        )
+        assert wrong.exit_code == 4
+        assert "weight version 'v1'" in wrong.stderr
+
+
+def test_weight_version_becomes_ready_when_server_updates() -> None:
+    with FakeServer(Behaviour(weights_loaded=True, weight_version="old")) as s:
+
+        def bump() -> None:
+            time.sleep(0.4)
+            s.behaviour.weight_version = "new"
+
+        threading.Thread(target=bump, daemon=True).start()
+        r = invoke(
+            "wait-ready",
+            "--endpoint",
+            s.endpoint,
+            "--weight-version",
+            "new",
+            "--timeout",
+            "5",
+            *FAST,
+        )
+    assert r.exit_code == 0, r.stderr
+
+
+def test_weight_version_with_vllm_is_a_usage_error() -> None:
+    r = invoke("wait-ready", "--engine", "vllm", "--weight-version", "v1", "--timeout", "1")
+    assert r.exit_code == 2
+    assert "vLLM" in r.stderr
+
+
+def test_vllm_healthy_uses_health_endpoint() -> None:
+    with FakeServer(Behaviour(profile="vllm")) as s:
+        r = invoke(
+            "wait-ready",
+            "--engine",
+            "vllm",
+            "--for",
+            "healthy",
+            "--endpoint",
+            s.endpoint,
+            "--timeout",
+            "3",
+            *FAST,
+        )
+        assert r.exit_code == 0, r.stderr
+        assert s.behaviour.requests[0]["path"] == "/health"
+
+
+# -- misbehaving servers -------------------------------------------------------------------------
+
+
+def test_nothing_listening_times_out_promptly() -> None:
+    port = free_port()
+    t0 = time.monotonic()
+    r = invoke("wait-ready", "--endpoint", f"http://127.0.0.1:{port}", "--timeout", "0.7", *FAST)
+    assert r.exit_code == 4
+    assert time.monotonic() - t0 < 0.7 + 1.0
+    assert "connection refused" in r.stderr
+
+
+def test_port_that_opens_late() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("fake_server.py")),
+            "--port",
+            str(port),
+            "--delay",
+            "1.0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        r = invoke(
+            "wait-ready",
+            "--endpoint",
+            f"http://127.0.0.1:{port}",
+            "--timeout",
+            "20",
+            "--json",
+            *FAST,
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+    assert r.exit_code == 0, r.stderr
+    doc = _json(r)
+    assert doc["attempts"] > 1 and doc["elapsed_s"] >= 0.8
+
+
+def test_server_that_never_answers_is_bounded_by_attempt_timeout() -> None:
+    with FakeServer(Behaviour(mode="hang")) as s:
+        t0 = time.monotonic()
+        r = invoke(
+            "wait-ready",
+            "--endpoint",
+            s.endpoint,
+            "--timeout",
+            "1.0",
+            "--interval",
+            "0.1",
+            "--attempt-timeout",
+            "0.3",
+        )
+        took = time.monotonic() - t0
+    assert r.exit_code == 4
+    assert "no answer within" in r.stderr
+    assert took < 1.0 + 0.1 + 0.3 + 0.6
+
+
+def test_server_that_hangs_longer_than_the_whole_timeout() -> None:
+    # attempt timeout 30 s, overall 0.8 s: the attempt is clipped to the deadline.
+    with FakeServer(Behaviour(mode="hang")) as s:
+        t0 = time.monotonic()
+        r = invoke(
+            "wait-ready", "--endpoint", s.endpoint, "--timeout", "0.8", "--attempt-timeout", "30"
+        )
+        took = time.monotonic() - t0
+    assert r.exit_code == 4
+    assert took < 2.0
+
+
+@pytest.mark.parametrize(
+    ("mode", "status"),
+    [("reset", "connection"), ("garbage", "connection closed without a valid HTTP answer")],
+)
+def test_resets_and_garbage_are_not_ready(mode: str, status: str) -> None:
+    with FakeServer(Behaviour(mode=mode)) as s:
+        r = invoke("wait-ready", "--endpoint", s.endpoint, "--timeout", "0.6", *FAST)
+    assert r.exit_code == 4
+    assert status in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_5xx_counts_as_listening_but_not_healthy() -> None:
+    with FakeServer(Behaviour(mode="http500")) as s:
+        listening = invoke("wait-ready", "--endpoint", s.endpoint, "--timeout", "2", *FAST)
+        healthy = invoke(
+            "wait-ready", "--endpoint", s.endpoint, "--for", "healthy", "--timeout", "0.5", *FAST
+        )
+    assert listening.exit_code == 0
+    assert healthy.exit_code == 4 and "HTTP 500" in healthy.stderr
+
+
+def test_garbage_body_where_a_weight_version_is_expected() -> None:
+    with FakeServer(Behaviour(mode="bad_json", weights_loaded=True)) as s:
+        r = invoke(
+            "wait-ready",
+            "--endpoint",
+            s.endpoint,
+            "--weight-version",
+            "v1",
+            "--timeout",
+            "0.5",
+            *FAST,
+        )
+    assert r.exit_code == 4
+    assert "without a weight_version" in r.stderr
+
+
+# -- Unix sockets ------------------------------------------------------------------------------
+
+
+def test_unix_socket(short_tmp: Path) -> None:
+    path = str(short_tmp / "sglang.sock")
+    with FakeServer(Behaviour(weights_loaded=True), uds=path) as s:
+        r = invoke(
+            "wait-ready",
+            "--uds",
+            path,
+            "--endpoint",
+            s.endpoint,
+            "--for",
+            "healthy",
+            "--timeout",
+            "3",
+            *FAST,
+        )
+    assert r.exit_code == 0, r.stderr
+
+
+def test_missing_unix_socket(short_tmp: Path) -> None:
+    path = str(short_tmp / "nobody-home.sock")
+    r = invoke("wait-ready", "--uds", path, "--timeout", "0.4", *FAST)
+    assert r.exit_code == 4
+    assert f"no Unix socket at {path}" in r.stderr
+
+
+# -- API key ------------------------------------------------------------------------------------
+
+
+def test_api_key_sent_as_bearer_from_env_and_never_printed() -> None:
+    secret = "sk-very-secret-123"
+    with FakeServer(Behaviour(api_key=secret, weights_loaded=True)) as s:
+        ok = invoke(
+            "wait-ready",
+            "--endpoint",
+            s.endpoint,
+            "--for",
+            "healthy",
+            "--timeout",
+            "3",
+            *FAST,
+            env={"CKPTCTL_API_KEY": secret},
+        )
+        assert ok.exit_code == 0, ok.stderr
+        assert s.behaviour.requests[-1]["headers"]["Authorization"] == f"Bearer {secret}"
+        bad = invoke(
+            "wait-ready",
+            "--endpoint",
+            s.endpoint,
+            "--for",
+            "healthy",
+            "--timeout",
+            "0.4",
+            "--api-key",
+            "sk-wrong-456",
+            *FAST,
+            env={"CKPTCTL_DEBUG": "1"},
+        )
+    assert bad.exit_code == 4 and "HTTP 401" in bad.stderr
+    for r in (ok, bad):
+        assert secret not in r.stdout + r.stderr
+        assert "sk-wrong-456" not in r.stdout + r.stderr
+
+
+# -- output discipline ----------------------------------------------------------------------------
+
+
+def test_one_line_per_state_change_not_per_poll() -> None:
+    port = free_port()
+    r = invoke(
+        "wait-ready",
+        "--endpoint",
+        f"http://127.0.0.1:{port}",
+        "--timeout",
+        "1",
+        "--interval",
+        "0.02",
+    )
+    assert r.exit_code == 4
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    # "waiting up to...", one "connection refused" line, the error line.
+    assert len(lines) == 3, lines
+    assert r.stdout == ""
+
+
+def test_quiet_prints_only_the_error() -> None:
+    r = invoke(
+        "wait-ready",
+        "--endpoint",
+        f"http://127.0.0.1:{free_port()}",
+        "--timeout",
+        "0.3",
+        "-q",
+        *FAST,
+    )
+    assert r.exit_code == 4
+    assert [line.startswith("error:") for line in r.stderr.splitlines()] == [True]
+
+
+@pytest.mark.parametrize(
+    "args", [["--for", "ready"], ["--interval", "0"], ["--engine", "tgi"], ["--bogus"]]
+)
+def test_bad_flags_exit_2(args: list[str]) -> None:
+    r = invoke("wait-ready", *args)
+    assert r.exit_code == 2
+
+
+# -- the installed script -------------------------------------------------------------------------
+
+
+def test_installed_script_json_and_exit_codes(server: FakeServer) -> None:
+    r = run_script("wait-ready", "--endpoint", server.endpoint, "--json", "--timeout", "5")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ready"] is True
+    r = run_script(
+        "wait-ready",
+        "--endpoint",
+        server.endpoint,
+        "--for",
+        "healthy",
+        "--json",
+        "--timeout",
+        "0.3",
+        "--interval",
+        "0.05",
+    )
+    assert r.returncode == 4
+    assert json.loads(r.stdout)["ready"] is False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_exits_130_without_traceback(sig: int) -> None:
+    proc = subprocess.Popen(
+        [
+            ckptctl_script(),
+            "wait-ready",
+            "--endpoint",
+            f"http://127.0.0.1:{free_port()}",
+            "--timeout",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert "interrupted" in err
+
+
+def test_python_dash_m_runs_the_same_cli() -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptctl",
+            "wait-ready",
+            "--timeout",
+            "0.2",
+            "--endpoint",
+            f"http://127.0.0.1:{free_port()}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert r.returncode == 4
+    assert "error:" in r.stderr
