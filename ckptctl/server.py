@@ -103,3 +103,71 @@ def server_message(response: httpx.Response, limit: int = 500) -> str:
                 return text[:limit]
     text = response.text.strip().replace("\n", " ")
     return text[:limit] if text else "(empty body)"
+
+
+# -- pushing an update ----------------------------------------------------------------------------
+
+VLLM_DEV_MODE_HINT = (
+    "start vLLM with VLLM_SERVER_DEV_MODE=1 and "
+    "--worker-extension-cls checkpoint_engine.worker.VllmColocateWorkerExtension"
+)
+
+
+def update_request(
+    engine: str, handles: dict[str, str], *, weight_version: str | None, timeout: float
+) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of the request that makes the server pull the weights over IPC."""
+    if engine == "vllm":
+        body: dict[str, Any] = {
+            "method": "update_weights_from_ipc",
+            "args": [handles],
+            "timeout": timeout,
+        }
+        return "/collective_rpc", body
+    body = {"zmq_handles": handles, "flush_cache": True}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return "/update_weights_from_ipc", body
+
+
+class UpdateRefused(Exception):
+    """The server answered, and not with success. `str()` carries its message."""
+
+
+def push_update(
+    address: ServerAddress,
+    engine: str,
+    handles: dict[str, str],
+    *,
+    weight_version: str | None,
+    timeout: float,
+) -> str:
+    """POST the update; return the server's message. Blocks until the transfer is over.
+
+    Success is HTTP 200 *and*, for SGLang, `"success": true`. Raises `UpdateRefused` when the
+    server said no, `httpx.HTTPError` when it could not be reached or did not answer in time.
+    """
+    path, body = update_request(engine, handles, weight_version=weight_version, timeout=timeout)
+    with make_client(address, timeout=timeout) as client:
+        response = client.post(path, json=body)
+    code = response.status_code
+    if code in (401, 403):
+        raise UpdateRefused(
+            f"HTTP {code}: the server refused the API key; pass --api-key or set {API_KEY_ENV}"
+        )
+    if engine == "vllm":
+        if code == 404:
+            raise UpdateRefused(f"HTTP 404 on {path}: {VLLM_DEV_MODE_HINT}")
+        if code != 200:
+            raise UpdateRefused(f"HTTP {code}: {server_message(response)}")
+        return "collective_rpc update_weights_from_ipc done"
+    doc = parse_json_object(response)
+    if code == 200 and doc is not None and doc.get("success") is True:
+        return str(doc.get("message", ""))
+    if code == 404:
+        raise UpdateRefused(
+            f"HTTP 404 on {path}: the server has no IPC update endpoint "
+            "(SGLang >= 0.5.4 is needed, or pass --engine vllm)"
+        )
+    return_doc = "" if doc is not None else " (the answer was not JSON)"
+    raise UpdateRefused(f"HTTP {code}: {server_message(response)}{return_doc}")

@@ -6,14 +6,13 @@ import contextlib
 import functools
 import os
 import signal
-import sys
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
 
-from ckptctl.errors import CkptctlError, ExitCode, Interrupted
+from ckptctl.errors import CkptctlError, ExitCode, Interrupted, print_error
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -22,18 +21,6 @@ DEBUG_ENV = "CKPTCTL_DEBUG"
 
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "no")
-
-
-def _rank_prefix() -> str:
-    world = os.environ.get("WORLD_SIZE", "1")
-    return f"[rank {os.environ.get('RANK', '0')}] " if world not in ("", "1") else ""
-
-
-def print_error(message: str) -> None:
-    # Plain write, not Rich: an error must reach stderr even if Rich itself is the problem.
-    prefix = _rank_prefix()
-    sys.stderr.write(f"{prefix}error: {message}\n")
-    sys.stderr.flush()
 
 
 def _raise_interrupted(signum: int, _frame: Any) -> None:

@@ -1,0 +1,1 @@
+"""The update pipeline: grouping, coordination, the ParameterServer, the stages."""

@@ -1,0 +1,258 @@
+"""Keeping every rank of a job bounded: a shared abort flag, heartbeats, and a watchdog.
+
+checkpoint-engine's waits are long or endless (10-minute store and NCCL timeouts, a zmq REQ
+socket that blocks forever when nobody connects, HTTP errors lost in a thread). So every rank
+runs a watchdog thread that ends the process itself - `os._exit`, the only way out of a thread
+stuck inside NCCL or zmq - when:
+
+- the command's `--timeout` runs out (exit 4);
+- this rank recorded a failure (the HTTP request, the receiver's reply...) (its exit code);
+- another rank did: failures are published in torchrun's own TCP store, no home-made network;
+- a peer stopped sending heartbeats (it died on another node, or hangs);
+- SIGTERM/SIGINT arrived while the main thread is blocked in C code (torchrun tearing down).
+
+The store is torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) or, for other launchers,
+one that rank 0 hosts on MASTER_PORT; checkpoint-engine itself uses MASTER_PORT+1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ckptctl.errors import ExitCode, print_error
+from ckptctl.launch import LaunchInfo
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+def _store_prefix() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"ckptctl/{run_id}/{restart}/"
+
+
+class Coordinator:
+    """Cross-rank signals kept in a torch.distributed store."""
+
+    def __init__(self, store: Any, launch: LaunchInfo) -> None:
+        self.store = store
+        self.launch = launch
+
+    @classmethod
+    def connect(cls, launch: LaunchInfo, timeout_s: float) -> Coordinator | None:
+        """Join the job's store; None for a single process (nothing to coordinate)."""
+        if launch.world_size <= 1:
+            return None
+        from torch.distributed import PrefixStore, TCPStore
+
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("MASTER_PORT", "29500"))
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        is_master = launch.rank == 0 and not agent_store
+        store = TCPStore(
+            host,
+            port,
+            launch.world_size if is_master else None,
+            is_master,
+            timeout=timedelta(seconds=max(timeout_s, 1.0)),
+            wait_for_workers=False,
+        )
+        return cls(PrefixStore(_store_prefix(), store), launch)
+
+    # -- abort -----------------------------------------------------------------------------------
+    def publish_abort(self, code: int, message: str) -> None:
+        doc = json.dumps({"code": int(code), "message": message, "rank": self.launch.rank})
+        # First failure wins: later ones are usually consequences of it.
+        self.store.compare_set("abort", "", doc)
+
+    def aborted(self) -> dict[str, Any] | None:
+        if not self.store.check(["abort"]):
+            return None
+        raw = self.store.get("abort")
+        return json.loads(raw) if raw else None
+
+    # -- heartbeats --------------------------------------------------------------------------------
+    def beat(self) -> None:
+        self.store.add(f"hb/{self.launch.rank}", 1)
+
+    def beats(self, rank: int) -> int:
+        return int(self.store.add(f"hb/{rank}", 0))
+
+    # -- figures -------------------------------------------------------------------------------------
+    def publish(self, key: str, doc: dict[str, Any]) -> None:
+        self.store.set(f"{key}/{self.launch.rank}", json.dumps(doc))
+
+    def collect(self, key: str, timeout_s: float) -> list[dict[str, Any]]:
+        keys = [f"{key}/{r}" for r in range(self.launch.world_size)]
+        self.store.wait(keys, timedelta(seconds=timeout_s))
+        return [json.loads(self.store.get(k)) for k in keys]
+
+
+def _ignore_in_main_thread(signum: int, frame: Any) -> None:
+    """Installed while a watchdog runs: it reads the signal from the wakeup fd and ends the rank."""
+
+
+class Watchdog:
+    """Ends this process, with one error line and the right exit code, when a wait must end."""
+
+    def __init__(
+        self,
+        launch: LaunchInfo,
+        coordinator: Coordinator | None,
+        *,
+        timeout_s: float,
+        stale_after_s: float = 30.0,
+        describe_stage: Callable[[], str] = lambda: "",
+    ) -> None:
+        self.launch = launch
+        self.coordinator = coordinator
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        self.stale_after_s = stale_after_s
+        self.describe_stage = describe_stage
+        self._failure: tuple[int, str] | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="ckptctl-watchdog", daemon=True)
+        self._wakeup_r, self._wakeup_w = os.pipe()
+        self._exiting = False
+        self._old_handlers: dict[int, Any] = {}
+
+    # -- called from any thread ------------------------------------------------------------------
+    def fail(self, code: int, message: str) -> None:
+        """Record a failure of this rank; the watchdog ends the job promptly."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = (int(code), message)
+        os.write(self._wakeup_w, b"f")
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> Watchdog:
+        # A signal's C handler writes to the wakeup fd at once, even while the main thread is
+        # stuck in NCCL or zmq and its Python handler cannot run.
+        if threading.current_thread() is threading.main_thread():
+            os.set_blocking(self._wakeup_w, False)
+            signal.set_wakeup_fd(self._wakeup_w, warn_on_full_buffer=False)
+            # The watchdog thread acts on the signal; the main thread just carries on until then.
+            self._old_handlers = {
+                sig: signal.signal(sig, _ignore_in_main_thread)
+                for sig in (signal.SIGTERM, signal.SIGINT)
+            }
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        os.write(self._wakeup_w, b"s")
+        self._thread.join(timeout=2)
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(-1)
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- the thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        last_beat = 0.0
+        seen: dict[int, tuple[int, float]] = {}
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self._wakeup_r], [], [], 0.1)
+            if self._stop.is_set():
+                return
+            if ready:
+                data = os.read(self._wakeup_r, 64)
+                for byte in data:
+                    if byte in (signal.SIGTERM, signal.SIGINT):
+                        self._exit_on_signal(signal.Signals(byte))
+            if self._failure is not None:
+                code, message = self._failure
+                self._exit(code, message, publish=True)
+            if self.remaining() <= 0:
+                stage = self.describe_stage()
+                where = f" during {stage}" if stage else ""
+                self._exit(
+                    ExitCode.TIMEOUT,
+                    f"timed out after {self.timeout_s:g}s{where}; raise --timeout if the "
+                    "server or the checkpoint is just slow",
+                    publish=True,
+                )
+            if self.coordinator is None:
+                continue
+            try:
+                abort = self.coordinator.aborted()
+                if abort is not None:
+                    self._exit(abort["code"], f"rank {abort['rank']} failed: {abort['message']}")
+                now = time.monotonic()
+                if now - last_beat >= HEARTBEAT_INTERVAL_S:
+                    last_beat = now
+                    self.coordinator.beat()
+                    self._check_peers(seen, now)
+            except Exception as exc:  # noqa: BLE001 - the store itself is gone
+                if self._stop.is_set():
+                    return
+                self._exit(
+                    ExitCode.FAILED,
+                    f"lost contact with the job's store ({type(exc).__name__}): "
+                    "another rank or the torchrun agent probably died",
+                )
+
+    def _check_peers(self, seen: dict[int, tuple[int, float]], now: float) -> None:
+        """Rank 0 watches everyone; the others watch rank 0 (who publishes an abort)."""
+        assert self.coordinator is not None
+        peers = range(1, self.launch.world_size) if self.launch.rank == 0 else (0,)
+        for peer in peers:
+            count = self.coordinator.beats(peer)
+            last_count, since = seen.get(peer, (-1, now))
+            if count != last_count:
+                seen[peer] = (count, now)
+            elif now - since > self.stale_after_s:
+                self._exit(
+                    ExitCode.FAILED,
+                    f"rank {peer} stopped responding (no heartbeat for {now - since:.0f}s); "
+                    "it probably died - see its log",
+                    publish=True,
+                )
+
+    def _exit_on_signal(self, sig: signal.Signals) -> None:
+        abort = None
+        if self.coordinator is not None:
+            try:
+                abort = self.coordinator.aborted()
+            except Exception:  # noqa: BLE001
+                abort = None
+        if abort is not None:
+            self._exit(abort["code"], f"rank {abort['rank']} failed: {abort['message']}")
+        self._exit(ExitCode.INTERRUPTED, f"interrupted by {sig.name}")
+
+    def _exit(self, code: int, message: str, *, publish: bool = False) -> None:
+        with self._lock:
+            if self._exiting:
+                return
+            self._exiting = True
+        print_error(message)  # first: torchrun may SIGKILL us soon after a peer exits
+        if publish and self.coordinator is not None:
+            try:
+                self.coordinator.publish_abort(code, message)
+                # Give peers a moment to read the reason before torchrun tears them down.
+                time.sleep(0.3)
+            except Exception:  # noqa: BLE001 - best effort: we are leaving anyway
+                pass
+        sys.stdout.flush()
+        os._exit(int(code))

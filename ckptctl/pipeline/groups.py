@@ -1,0 +1,76 @@
+"""Which ranks feed which inference server.
+
+Ranks are grouped by `--inference-parallel-size` (the server's TP size): group g is ranks
+[g*size, (g+1)*size). The first rank of a group (its leader) sends that group's IPC handles to
+the group's server. Several servers may run on one node (four TP2 servers on eight GPUs): then
+`--endpoint`/`--uds` are given once per group on the node, in group order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptctl.errors import UsageError
+from ckptctl.server import ServerAddress
+
+
+@dataclass(frozen=True)
+class GroupAssignment:
+    rank: int
+    group: int  # global group index
+    leader: int  # the rank that talks to this group's server
+    members: tuple[int, ...]
+    address: ServerAddress | None  # set only on the leader
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+
+def assign_group(
+    *,
+    rank: int,
+    world_size: int,
+    local_world_size: int,
+    parallel_size: int,
+    endpoints: list[str],
+    uds: list[str],
+    api_key: str | None = None,
+) -> GroupAssignment:
+    """The group of `rank` and, for a leader, the server it talks to."""
+    if parallel_size < 1:
+        raise UsageError("--inference-parallel-size must be at least 1")
+    if parallel_size > world_size or world_size % parallel_size:
+        raise UsageError(
+            f"--inference-parallel-size {parallel_size} does not divide the world size "
+            f"{world_size}: start one rank per GPU of the inference servers "
+            f"(torchrun --nproc-per-node) and pass each server's TP size"
+        )
+    group = rank // parallel_size
+    leader = group * parallel_size
+    members = tuple(range(leader, leader + parallel_size))
+
+    # Leaders on this node, in rank order: the i-th of them takes the i-th endpoint/uds.
+    node_first = rank - rank % local_world_size
+    local_leaders = [
+        r for r in range(node_first, node_first + local_world_size) if r % parallel_size == 0
+    ]
+    n_local_groups = max(len(local_leaders), 1)
+    for flag, values in (("--endpoint", endpoints), ("--uds", uds)):
+        if len(values) > 1 and len(values) != n_local_groups:
+            raise UsageError(
+                f"{flag} was given {len(values)} times but this node leads {n_local_groups} "
+                f"server group(s): give it once, or once per group on the node in group order"
+            )
+    address = None
+    if rank == leader:
+        i = local_leaders.index(rank) if rank in local_leaders else 0
+        endpoint = endpoints[i] if len(endpoints) > 1 else endpoints[0]
+        socket = (uds[i] if len(uds) > 1 else uds[0]) if uds else None
+        address = ServerAddress(endpoint=endpoint, uds=socket, api_key=api_key)
+    return GroupAssignment(rank, group, leader, members, address)
+
+
+def group_handles(socket_paths: list[tuple[str, str]], members: tuple[int, ...]) -> dict[str, str]:
+    """checkpoint-engine gives (device uuid, zmq path) for every rank, in rank order."""
+    return dict(socket_paths[members[0] : members[-1] + 1])

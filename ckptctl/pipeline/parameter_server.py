@@ -1,0 +1,149 @@
+"""checkpoint-engine's ParameterServer, with its known traps disarmed.
+
+- Broadcast never touches mooncake: an installed mooncake without RDMA makes the constructor
+  raise for every method, so for broadcast the import is blocked and p2p stays off.
+- p2p / all are checked before anything is loaded: mooncake importable, an RDMA device present.
+- The zmq REQ socket the PS talks to the server's worker through is wrapped, so that
+  * every reply is seen: checkpoint-engine throws away the reply to the LAST bucket, so an
+    error while the server loads it would otherwise pass as success;
+  * sends and receives are bounded: a REQ socket with no peer blocks forever.
+- checkpoint files are never handed over as `files=`: for /dev/shm files checkpoint-engine
+  pins them in place and DELETES them. We hand over read-only views of the file mapping.
+
+This module imports torch and checkpoint-engine; the CLI imports it only inside `update`.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ckptctl.errors import InvalidInput, OperationFailed
+
+
+def block_mooncake() -> None:
+    """Make `import mooncake` fail with ImportError, which checkpoint-engine treats as 'no p2p'."""
+    for name in ("mooncake", "mooncake.engine"):
+        if name not in sys.modules:
+            sys.modules[name] = None  # type: ignore[assignment]
+
+
+def p2p_missing() -> str | None:
+    """Why p2p cannot work here, or None when it can (mooncake and an RDMA device)."""
+    try:
+        found = importlib.util.find_spec("mooncake") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return "mooncake is not installed (pip install 'ckptctl[p2p]')"
+    if not (
+        glob.glob("/sys/class/infiniband/*")
+        or os.environ.get("PS_P2P_STORE_RDMA_DEVICES")
+        or os.environ.get("NCCL_IB_HCA")
+    ):
+        return "no RDMA device (/sys/class/infiniband is empty and no NCCL_IB_HCA is set)"
+    return None
+
+
+class ReplyWatchingSocket:
+    """A stand-in for the PS's zmq REQ socket that keeps every non-empty (error) reply."""
+
+    def __init__(self, socket: Any, timeout_ms: int) -> None:
+        import zmq
+
+        self._socket = socket
+        self.errors: list[str] = []
+        self.replies = 0
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
+
+    def recv(self, *args: Any, **kwargs: Any) -> bytes:
+        reply = self._socket.recv(*args, **kwargs)
+        self.replies += 1
+        if reply != b"":
+            self.errors.append(reply.decode("utf-8", errors="replace"))
+        return reply
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._socket, name)
+
+
+def last_line(traceback_text: str) -> str:
+    lines = [line.strip() for line in traceback_text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no message)"
+
+
+class ParameterServerSession:
+    """One rank's ParameterServer and what we need around it."""
+
+    def __init__(self, *, update_method: str, io_timeout: Callable[[], float]) -> None:
+        if update_method == "broadcast":
+            block_mooncake()
+        import torch
+
+        if not torch.cuda.is_available():
+            raise OperationFailed(
+                "no CUDA device: update needs one GPU per rank "
+                "(use --dry-run to plan a split without a GPU)"
+            )
+        from checkpoint_engine.ps import ParameterServer
+
+        self._io_timeout = io_timeout
+        self.ps = ParameterServer(auto_pg=True)
+        if update_method != "broadcast" and self.ps._p2p_store is None:
+            raise InvalidInput(
+                "p2p update requested but checkpoint-engine's p2p store did not start"
+            )
+        self.sockets: list[ReplyWatchingSocket] = []
+        self._wrap_socket_factory()
+
+    def _wrap_socket_factory(self) -> None:
+        bind = getattr(self.ps, "_bind_zmq_socket", None)
+        if bind is None:  # a checkpoint-engine we do not know: refuse rather than lose errors
+            raise OperationFailed(
+                "this checkpoint-engine version has no ParameterServer._bind_zmq_socket; "
+                "install checkpoint-engine>=0.4.2,<0.5"
+            )
+
+        def bind_watched() -> tuple[Any, list[tuple[str, str]]]:
+            socket, paths = bind()
+            timeout_ms = max(int(self._io_timeout() * 1000), 1)
+            watched = ReplyWatchingSocket(socket, timeout_ms)
+            self.sockets.append(watched)
+            return watched, paths
+
+        self.ps._bind_zmq_socket = bind_watched  # type: ignore[method-assign]
+
+    @property
+    def device_uuid(self) -> str:
+        return str(self.ps._device_uuid)
+
+    def register(self, name: str, named_tensors: dict[str, Any]) -> None:
+        if named_tensors:
+            # named_tensors, never files=: see the module docstring (/dev/shm files get deleted).
+            self.ps.register_checkpoint(name, named_tensors=named_tensors)
+
+    def gather(self, name: str) -> None:
+        self.ps.gather_metas(name)
+
+    def metas(self) -> dict[int, Any]:
+        return self.ps.get_metas()
+
+    def update(
+        self, name: str, req_func: Callable[[list[tuple[str, str]]], None], ranks: list[int] | None
+    ) -> None:
+        self.ps.update(name, req_func, ranks=ranks)
+        errors = [e for s in self.sockets for e in s.errors]
+        if errors:
+            raise OperationFailed(
+                f"the server's worker on {self.device_uuid} failed while loading the weights "
+                f"(the server may now hold partly updated weights): {last_line(errors[-1])}"
+            )
+
+    def unregister(self, name: str) -> None:
+        self.ps.unregister_checkpoint(name)

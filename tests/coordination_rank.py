@@ -1,0 +1,47 @@
+"""One rank of a real torchrun job exercising ckptctl's coordination (run by test_coordination.py).
+
+The main thread blocks the way checkpoint-engine's does (waiting on a peer that never comes);
+the watchdog must end every rank with the right code and message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from ckptctl.launch import launch_info
+from ckptctl.pipeline.coordination import Coordinator, Watchdog
+
+
+def main(scenario: str) -> None:
+    launch = launch_info()
+    coordinator = Coordinator.connect(launch, timeout_s=30)
+    assert coordinator is not None
+    timeout = 3.0 if scenario == "timeout" else 60.0
+    watchdog = Watchdog(
+        launch,
+        coordinator,
+        timeout_s=timeout,
+        stale_after_s=3.0,
+        describe_stage=lambda: "the test stage",
+    ).start()
+    if scenario == "figures":
+        coordinator.publish("figures", {"rank": launch.rank, "pid": os.getpid()})
+        if launch.rank == 0:
+            docs = coordinator.collect("figures", timeout_s=20)
+            print(json.dumps([d["rank"] for d in docs]), flush=True)
+        watchdog.stop()
+        return
+    if scenario == "fail" and launch.rank == 1:
+        time.sleep(1.0)
+        watchdog.fail(1, "the server refused the update: HTTP 400: boom")
+    if scenario == "die" and launch.rank == 1:
+        time.sleep(1.0)
+        os._exit(9)  # no goodbye, like a segfault or the OOM killer
+    time.sleep(3600)  # stands in for a rank stuck in an NCCL collective
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
