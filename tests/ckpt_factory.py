@@ -250,10 +250,16 @@ def _out_of_range(root: Path) -> Path:
     return root
 
 
-def _two_shards(root: Path) -> Path:
-    write_raw(_dir(root) / "model-00001-of-00002.safetensors", _good_header("a"), 16)
-    write_raw(root / "model-00002-of-00002.safetensors", _good_header("b"), 16)
+def _files(root: Path, tensor_of_file: Mapping[str, str]) -> Path:
+    """One 16-byte F32 tensor per file: {file name: tensor name}."""
+    for file, tensor in tensor_of_file.items():
+        write_raw(_dir(root) / file, _good_header(tensor), 16)
     return root
+
+
+def _two_shards(root: Path) -> Path:
+    names = shard_names(2)
+    return _files(root, {names[0]: "a", names[1]: "b"})
 
 
 def _index_not_json(root: Path) -> Path:
@@ -293,9 +299,7 @@ def _index_escapes(root: Path) -> Path:
 
 
 def _duplicate_tensor(root: Path) -> Path:
-    write_raw(_dir(root) / "a.safetensors", _good_header("same"), 16)
-    write_raw(root / "b.safetensors", _good_header("same"), 16)
-    return root
+    return _files(root, {"a.safetensors": "same", "b.safetensors": "same"})
 
 
 def _fifo(root: Path) -> Path:

@@ -194,3 +194,26 @@ def test_torchrun_two_ranks_print_one_plan() -> None:
     expected = invoke(*dry_run("--checkpoint-path", str(TINY), "--world-size", "2", "--json"))
     assert doc == json.loads(expected.stdout)
     assert doc["world_size"] == 2
+
+
+def test_tiny_example_is_what_its_script_writes(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples" / "make_tiny_checkpoint.py"),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "25 tensors" in done.stdout
+    committed = sorted(p.name for p in TINY.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == committed
+    for name in committed:
+        assert (tmp_path / name).read_bytes() == (TINY / name).read_bytes(), name
+    dtypes = {t.dtype for t in read_checkpoint(TINY).tensors}
+    assert {"BF16", "F32", "F8_E4M3", "I64", "BOOL"} <= dtypes
+    assert any(t.shape == () for t in read_checkpoint(TINY).tensors)

@@ -25,9 +25,10 @@ SPLIT_MODES: tuple[str, ...] = ("auto", "files", "tensors")
 
 # checkpoint-engine packs each tensor into pinned memory at a 256-byte boundary.
 PIN_ALIGN = 256
-# The exact search for the files split visits at most this many nodes. A node budget, not a
-# time budget, so that every rank stops at the same point and gets the same plan.
-EXACT_SEARCH_NODES = 20_000
+# The exact search for the files split tries at most this many (file, rank) placements, a few
+# tens of milliseconds. A step budget, not a time budget, so that every rank stops at the same
+# point and gets the same plan.
+EXACT_SEARCH_STEPS = 50_000
 
 
 def pinned_size(nbytes: int) -> int:
@@ -129,7 +130,7 @@ def _lpt(sizes: Sequence[int], world_size: int) -> list[int]:
 
 def _exact(sizes: Sequence[int], world_size: int, owner: list[int]) -> list[int]:
     """Improve an assignment by branch and bound (sizes sorted, largest first); returns the best
-    found within EXACT_SEARCH_NODES nodes, which is optimal whenever the search completes."""
+    found within EXACT_SEARCH_STEPS placements, which is optimal if the search completes."""
     loads = [0] * world_size
     for size, r in zip(sizes, owner, strict=True):
         loads[r] += size
@@ -141,19 +142,19 @@ def _exact(sizes: Sequence[int], world_size: int, owner: list[int]) -> list[int]
     best_owner = list(owner)
     current = [0] * len(sizes)
     loads = [0] * world_size
-    nodes = 0
+    steps = 0
 
     def search(i: int) -> bool:
         """True once the lower bound is reached or the budget is spent (stop everything)."""
-        nonlocal best, best_owner, nodes
+        nonlocal best, best_owner, steps
         if i == len(sizes):
             best, best_owner = max(loads), list(current)
             return best <= floor
-        nodes += 1
-        if nodes > EXACT_SEARCH_NODES:
-            return True
         tried: set[int] = set()
         for r in range(world_size):
+            steps += 1
+            if steps > EXACT_SEARCH_STEPS:
+                return True
             # Ranks with equal loads are interchangeable: trying one of them is enough.
             if loads[r] in tried or loads[r] + sizes[i] >= best:
                 continue
@@ -184,15 +185,13 @@ def _ranks_from_groups(
         return (not groups[r], groups[r][0] if groups[r] else 0, min(files[r], default=""))
 
     tensors = checkpoint.tensors
+    sizes = [t.end - t.start for t in tensors]
     ranks = []
     for new, old in enumerate(sorted(range(len(groups)), key=first_read)):
-        infos = tuple(tensors[i] for i in groups[old])
-        ranks.append(RankPlan(new, tuple(sorted(files[old])), infos, _total(infos)))
+        infos = tuple(map(tensors.__getitem__, groups[old]))
+        nbytes = sum(map(sizes.__getitem__, groups[old]))
+        ranks.append(RankPlan(new, tuple(sorted(files[old])), infos, nbytes))
     return tuple(ranks)
-
-
-def _total(tensors: Sequence[TensorInfo]) -> int:
-    return sum(t.end - t.start for t in tensors)
 
 
 def _split_files(checkpoint: Checkpoint, world_size: int) -> tuple[RankPlan, ...]:
