@@ -13,3 +13,15 @@ class EngineChoice(str, Enum):
 class ReadyCondition(str, Enum):
     listening = "listening"
     healthy = "healthy"
+
+
+class SplitChoice(str, Enum):
+    auto = "auto"
+    files = "files"
+    tensors = "tensors"
+
+
+class UpdateMethodChoice(str, Enum):
+    broadcast = "broadcast"
+    p2p = "p2p"
+    all = "all"

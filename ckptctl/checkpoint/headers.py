@@ -1,0 +1,370 @@
+"""Reading a safetensors checkpoint from its headers only: names, dtypes, shapes, byte ranges.
+
+Pure Python (struct + json), no torch: planning a 680 GB checkpoint reads a few MB of headers.
+
+A safetensors file is: 8 bytes little-endian header length N, N bytes of JSON header, then the
+data section. The header maps each tensor name to {"dtype", "shape", "data_offsets": [b, e]},
+where b and e are relative to the start of the data section. `TensorInfo.start`/`end` below are
+ABSOLUTE file offsets (8 + N + b, 8 + N + e), so a loader can slice a mapping of the whole file.
+
+Every problem found raises `InvalidInput` (exit 3) with one line: which file, which tensor, what
+is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from operator import attrgetter
+from pathlib import Path, PurePosixPath
+
+from ckptctl.errors import InvalidInput
+
+INDEX_NAME = "model.safetensors.index.json"
+SUFFIX = ".safetensors"
+# The reference implementation refuses headers above 100 MB; a bigger one is garbage, and
+# refusing it up front keeps us from allocating gigabytes for a corrupt length field.
+MAX_HEADER_BYTES = 100_000_000
+
+# Bits per element of every safetensors dtype (the Rust crate's list, plus the FNUZ variants
+# that safetensors' Python side writes). F4 and F6 pack several elements into a byte.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor as its header describes it. `start`/`end` are absolute offsets in `file`."""
+
+    name: str
+    dtype: str  # safetensors spelling: "BF16", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    file: str  # path relative to the checkpoint directory, POSIX separators
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint's layout. `files` is sorted; `tensors` is in read order (file, then offset)."""
+
+    root: Path
+    files: tuple[str, ...]
+    tensors: tuple[TensorInfo, ...]
+    index_file: str | None = None  # the index that chose `files`, if any
+    ignored_files: tuple[str, ...] = ()  # .safetensors files next to an index that omits them
+    file_bytes: dict[str, int] = field(default_factory=dict)  # tensor bytes held by each file
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.file_bytes.values())
+
+    def path_of(self, file: str) -> Path:
+        return self.root / file
+
+
+def _fail(where: Path | str, problem: str, action: str) -> InvalidInput:
+    return InvalidInput(f"{where}: {problem}; {action}")
+
+
+CORRUPT = "the file is damaged or not safetensors: re-download or re-save it"
+
+
+def _parse_entry(path: Path, name: str, entry: object) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, or InvalidInput saying what is wrong.
+
+    A tight happy path (this runs 90k times for a DeepSeek-V3 checkpoint); the precise
+    diagnosis is only worked out once something is known to be wrong.
+    """
+    try:
+        dtype, shape = entry["dtype"], entry["shape"]  # type: ignore[index]
+        begin, end = entry["data_offsets"]  # type: ignore[index]
+        bits = DTYPE_BITS[dtype]
+        for d in shape:
+            # `type(d) is int`, not isinstance: JSON `true` is a bool, and not a size.
+            if type(d) is not int or d < 0:
+                raise TypeError
+            bits *= d
+        ok = type(shape) is list and type(begin) is int and type(end) is int and 0 <= begin <= end
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise _bad_entry(f"{path}: tensor {name!r}", entry)
+    if bits % 8 or end - begin != bits // 8:
+        need = f"{bits / 8:g}" if bits % 8 else f"{bits // 8}"
+        raise _fail(
+            f"{path}: tensor {name!r}",
+            f"shape {shape} of {dtype} needs {need} bytes but data_offsets [{begin}, {end}] "
+            f"hold {end - begin}",
+            CORRUPT,
+        )
+    return dtype, tuple(shape), begin, end
+
+
+def _is_size(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _bad_entry(where: str, entry: object) -> InvalidInput:
+    """What exactly is wrong with an entry that failed the happy path."""
+    if not isinstance(entry, dict):
+        return _fail(where, "entry is not a JSON object", CORRUPT)
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        return _fail(
+            where,
+            f"unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPE_BITS))})",
+            "re-save it with a supported dtype or upgrade ckptctl",
+        )
+    if type(shape) is not list or not all(_is_size(d) for d in shape):
+        return _fail(where, f"shape {shape!r} is not a list of sizes", CORRUPT)
+    return _fail(where, f"data_offsets {offsets!r} is not [begin, end]", CORRUPT)
+
+
+def read_file_header(root: Path, file: str) -> list[TensorInfo]:
+    """The tensors of one .safetensors file, validated against the file's real size."""
+    path = root / file
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            # A FIFO or device would block or lie about its size: never open one.
+            raise _fail(path, "is not a regular file", "replace it with a real .safetensors file")
+        size = st.st_size
+        if size < 8:
+            what = "is empty (0 bytes)" if size == 0 else f"is truncated ({size} bytes)"
+            raise _fail(path, f"{what}, shorter than the 8-byte header length", CORRUPT)
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise _fail(
+                    path,
+                    f"header length {header_len} runs past the end of the file ({size} bytes)",
+                    "the file is truncated or not safetensors: re-download or re-save it",
+                )
+            if header_len > MAX_HEADER_BYTES:
+                raise _fail(
+                    path, f"header length {header_len} exceeds {MAX_HEADER_BYTES} bytes", CORRUPT
+                )
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise _fail(
+            path, f"cannot be read ({exc.strerror or exc})", "check its permissions"
+        ) from None
+    if len(raw) != header_len:
+        raise _fail(path, "changed size while being read", "retry when nothing is writing it")
+
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _fail(path, f"header is not valid JSON ({exc})", CORRUPT) from None
+    if not isinstance(header, dict):
+        raise _fail(path, "header is not a JSON object", CORRUPT)
+
+    data_start = 8 + header_len
+    data_len = size - data_start
+    tensors: list[TensorInfo] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, begin, end = _parse_entry(path, name, entry)
+        if end > data_len:
+            raise _fail(
+                f"{path}: tensor {name!r}",
+                f"data_offsets [{begin}, {end}] run past the end of the data section "
+                f"({data_len} bytes)",
+                "the file is truncated: re-download or re-save it",
+            )
+        tensors.append(TensorInfo(name, dtype, shape, file, data_start + begin, data_start + end))
+
+    tensors.sort(key=attrgetter("start", "end", "name"))
+    previous: TensorInfo | None = None
+    for t in tensors:
+        if t.start == t.end:
+            continue  # an empty tensor occupies no bytes and cannot overlap anything
+        if previous is not None and t.start < previous.end:
+            raise _fail(
+                f"{path}: tensor {t.name!r}",
+                f"bytes [{t.start - data_start}, {t.end - data_start}] overlap tensor "
+                f"{previous.name!r} [{previous.start - data_start}, {previous.end - data_start}]",
+                CORRUPT,
+            )
+        previous = t
+    return tensors
+
+
+def _list_dir(root: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(root))
+    except OSError as exc:
+        raise _fail(
+            root, f"cannot be listed ({exc.strerror or exc})", "check its permissions"
+        ) from None
+
+
+def _safe_relative(index: Path, name: str) -> str:
+    """A shard name from an index must stay inside the checkpoint directory."""
+    p = PurePosixPath(name)
+    if not name or p.is_absolute() or ".." in p.parts or "\\" in name:
+        raise _fail(
+            index,
+            f"names shard {name!r}, which is outside the checkpoint directory",
+            "an index may only name files next to it: fix or regenerate the index",
+        )
+    return str(p)
+
+
+def _read_index(root: Path, index_name: str) -> dict[str, str]:
+    """The index's weight_map (tensor name -> shard file), validated for shape, not contents."""
+    index = root / index_name
+    action = "regenerate the index, or delete it to load every .safetensors file in the directory"
+    try:
+        with open(index, "rb") as f:
+            doc = json.loads(f.read().decode("utf-8"))
+    except OSError as exc:
+        raise _fail(
+            index, f"cannot be read ({exc.strerror or exc})", "check its permissions"
+        ) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _fail(index, f"is not valid JSON ({exc})", action) from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise _fail(index, 'has no "weight_map" object', action)
+    if not weight_map:
+        raise _fail(index, "has an empty weight_map", action)
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise _fail(index, f"maps tensor {name!r} to {shard!r}, not a file name", action)
+    # Normalise each shard name once (90k tensors, ~160 shards).
+    shards = {shard: _safe_relative(index, shard) for shard in set(weight_map.values())}
+    return {name: shards[shard] for name, shard in weight_map.items()}
+
+
+def _pick_index(root: Path, names: Iterable[str]) -> str | None:
+    names = list(names)
+    if INDEX_NAME in names:
+        return INDEX_NAME
+    others = [n for n in names if n.endswith(SUFFIX + ".index.json")]
+    if len(others) > 1:
+        raise _fail(
+            root,
+            f"holds several indexes ({', '.join(others)})",
+            "keep the one that describes the checkpoint, or pass a directory with only one",
+        )
+    return others[0] if others else None
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read and validate every header of the checkpoint at `path` (reads no tensor data).
+
+    The files are: those the index names, if there is `model.safetensors.index.json` (or one
+    other `*.safetensors.index.json`); otherwise every `*.safetensors` in the directory. A single
+    `model.safetensors` is simply a directory of one file.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise _fail(root, "does not exist", "pass the directory that holds the .safetensors files")
+    if not root.is_dir():
+        action = "pass the directory that holds it" if root.name.endswith(SUFFIX) else ""
+        raise _fail(root, "is not a directory", action or "pass a checkpoint directory")
+    root = root.resolve()
+    names = _list_dir(root)
+    on_disk = [n for n in names if n.endswith(SUFFIX)]
+
+    index_name = _pick_index(root, names)
+    weight_map: dict[str, str] = {}
+    if index_name is not None:
+        weight_map = _read_index(root, index_name)
+        files = sorted(set(weight_map.values()))
+        for shard in files:
+            if not (root / shard).exists():
+                name = min(n for n, s in weight_map.items() if s == shard)
+                raise _fail(
+                    root / index_name,
+                    f"maps tensor {name!r} to shard {shard!r}, which does not exist",
+                    "download the missing shard, or regenerate the index",
+                )
+    else:
+        files = on_disk
+    if not files:
+        others = [n for n in names if n.endswith(OTHER_WEIGHT_SUFFIXES)]
+        if others:
+            raise _fail(
+                root,
+                f"holds no .safetensors files, only {len(others)} other weight file(s) "
+                f"such as {others[0]!r}",
+                "convert the checkpoint to safetensors (e.g. save_pretrained(..., "
+                "safe_serialization=True))",
+            )
+        raise _fail(root, "holds no .safetensors files", "pass a safetensors checkpoint directory")
+
+    tensors: list[TensorInfo] = []
+    owner: dict[str, str] = {}
+    file_bytes: dict[str, int] = {}
+    for file in files:
+        infos = read_file_header(root, file)
+        file_bytes[file] = sum(t.nbytes for t in infos)
+        for t in infos:
+            first = owner.setdefault(t.name, file)
+            if first != file:
+                raise _fail(
+                    root,
+                    f"tensor {t.name!r} is in both {first} and {file}",
+                    "remove the stale file, or add an index that names one of them",
+                )
+        tensors.extend(infos)
+
+    for name, shard in weight_map.items():
+        if owner.get(name) != shard:
+            found = f" (it is in {owner[name]})" if name in owner else ""
+            raise _fail(
+                root / str(index_name),
+                f"maps tensor {name!r} to {shard}, which does not hold it{found}",
+                "regenerate the index from the shards",
+            )
+
+    return Checkpoint(
+        root=root,
+        files=tuple(files),
+        tensors=tuple(tensors),
+        index_file=index_name,
+        ignored_files=tuple(sorted(set(on_disk) - set(files))),
+        file_bytes=file_bytes,
+    )

@@ -1,0 +1,131 @@
+"""Handing a rank's tensors to checkpoint-engine without a second copy in host memory.
+
+checkpoint-engine's `register_checkpoint(name, named_tensors=...)` copies every tensor into
+pinned buffers itself. If we handed it tensors read into memory first (as `safe_open(...)
+.get_tensor` does), each rank would hold the checkpoint twice at peak. Instead every tensor
+here is a view into a private, copy-on-write mapping of its file: the bytes come from the page
+cache when checkpoint-engine copies them, and no anonymous memory is allocated for them.
+
+The mapping is private (MAP_PRIVATE): writing to a returned tensor never reaches the file, and
+the files are never modified, moved or deleted (unlike checkpoint-engine's in-place pinning of
+/dev/shm files, which removes them).
+
+torch is imported inside the functions: `ckptctl --help` must not pay for it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
+from ckptctl.checkpoint.plan import RankPlan
+from ckptctl.errors import InvalidInput
+
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype -> torch dtype attribute name (looked up at run time: older torch builds
+# lack some, e.g. uint16/32/64 before 2.3 and float8_e8m0fnu before 2.7).
+TORCH_DTYPE_NAMES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "C64": "complex64",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    # Two 4-bit values per byte: the safetensors shape counts values, torch's counts bytes.
+    "F4": "float4_e2m1fn_x2",
+}
+
+
+def torch_dtype(dtype: str) -> torch.dtype | None:
+    """The torch dtype for a safetensors dtype, or None if this torch has none (F6_*, ...)."""
+    import torch
+
+    attr = TORCH_DTYPE_NAMES.get(dtype)
+    return getattr(torch, attr, None) if attr else None
+
+
+def _torch_layout(t: TensorInfo) -> tuple[torch.dtype, tuple[int, ...]]:
+    dtype = torch_dtype(t.dtype)
+    shape = t.shape
+    if dtype is not None and t.dtype == "F4":
+        if not shape or shape[-1] % 2:
+            dtype = None  # torch's packed type cannot split a byte across rows
+        else:
+            shape = (*shape[:-1], shape[-1] // 2)
+    if dtype is None:
+        raise InvalidInput(
+            f"{t.file}: tensor {t.name!r} has dtype {t.dtype} {list(t.shape)}, which this torch "
+            "build cannot represent; convert the tensor to a supported dtype"
+        )
+    return dtype, shape
+
+
+def _map_file(checkpoint: Checkpoint, file: str, needed: int) -> mmap.mmap:
+    path = checkpoint.path_of(file)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < needed:
+                raise InvalidInput(
+                    f"{path}: is {size} bytes, but its header needs {needed}: the file changed "
+                    "since the checkpoint was planned; wait for the writer to finish and rerun"
+                )
+            # ACCESS_COPY = MAP_PRIVATE: writable for torch, but writes never reach the file.
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot be mapped ({exc.strerror or exc})") from None
+
+
+def load_tensors(checkpoint: Checkpoint, tensors: Iterable[TensorInfo]) -> dict[str, torch.Tensor]:
+    """{name: tensor} for `tensors`, each a zero-copy view into its file's mapping.
+
+    Views are CPU tensors with the checkpoint's dtype and shape; the data is read from disk (or
+    the page cache) only when it is first touched. The mappings live as long as the tensors.
+    """
+    import torch
+
+    tensors = list(tensors)
+    needed: dict[str, int] = {}
+    for t in tensors:
+        needed[t.file] = max(needed.get(t.file, 0), t.end)
+    maps: dict[str, mmap.mmap] = {}
+    out: dict[str, torch.Tensor] = {}
+    for t in tensors:
+        dtype, shape = _torch_layout(t)
+        if t.nbytes == 0:
+            out[t.name] = torch.empty(shape, dtype=dtype)  # no bytes to map (a 0 in the shape)
+            continue
+        mapping = maps.get(t.file)
+        if mapping is None:
+            mapping = maps[t.file] = _map_file(checkpoint, t.file, needed[t.file])
+        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=t.nbytes, offset=t.start)
+        out[t.name] = raw.view(dtype).view(shape)
+    return out
+
+
+def load_rank_tensors(checkpoint: Checkpoint, rank_plan: RankPlan) -> dict[str, torch.Tensor]:
+    """The tensors rank `rank_plan.rank` registers, as views backed by the file mappings.
+
+    Pass the result to `ParameterServer.register_checkpoint(name, named_tensors=...)` (with
+    `files=[]`) in every split mode: checkpoint-engine then copies straight from the page cache
+    into its pinned buffers.
+    """
+    return load_tensors(checkpoint, rank_plan.tensors)

@@ -1,0 +1,88 @@
+"""Tensor names, dtypes and shapes of real models (from their HF config.json), in the order
+their HF checkpoints store them. Used to write sparse checkpoints of the real size."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+Spec = tuple[str, str, tuple[int, ...]]  # (name, safetensors dtype, shape)
+
+
+def qwen3_8b() -> Iterator[Spec]:
+    """Qwen3-8B: 36 layers, hidden 4096, 32 heads / 8 KV heads of 128, intermediate 12288,
+    vocab 151936, untied lm_head. 399 tensors, 16.38 GB in bf16."""
+    hidden, inter, vocab, head_dim, heads, kv_heads = 4096, 12288, 151936, 128, 32, 8
+    yield "model.embed_tokens.weight", "BF16", (vocab, hidden)
+    for i in range(36):
+        p = f"model.layers.{i}"
+        yield f"{p}.self_attn.q_proj.weight", "BF16", (heads * head_dim, hidden)
+        yield f"{p}.self_attn.k_proj.weight", "BF16", (kv_heads * head_dim, hidden)
+        yield f"{p}.self_attn.v_proj.weight", "BF16", (kv_heads * head_dim, hidden)
+        yield f"{p}.self_attn.o_proj.weight", "BF16", (hidden, heads * head_dim)
+        yield f"{p}.self_attn.q_norm.weight", "BF16", (head_dim,)
+        yield f"{p}.self_attn.k_norm.weight", "BF16", (head_dim,)
+        yield f"{p}.mlp.gate_proj.weight", "BF16", (inter, hidden)
+        yield f"{p}.mlp.up_proj.weight", "BF16", (inter, hidden)
+        yield f"{p}.mlp.down_proj.weight", "BF16", (hidden, inter)
+        yield f"{p}.input_layernorm.weight", "BF16", (hidden,)
+        yield f"{p}.post_attention_layernorm.weight", "BF16", (hidden,)
+    yield "model.norm.weight", "BF16", (hidden,)
+    yield "lm_head.weight", "BF16", (vocab, hidden)
+
+
+def _fp8_linear(name: str, out_dim: int, in_dim: int) -> Iterator[Spec]:
+    # DeepSeek-V3's FP8 linears carry one F32 scale per 128x128 block.
+    yield f"{name}.weight", "F8_E4M3", (out_dim, in_dim)
+    yield f"{name}.weight_scale_inv", "F32", (-(-out_dim // 128), -(-in_dim // 128))
+
+
+def deepseek_v3() -> Iterator[Spec]:
+    """DeepSeek-V3 (FP8): 61 layers (3 dense, 58 MoE with 256 routed + 1 shared expert) plus the
+    MTP layer 61; MLA attention. About 92k tensors and 680 GB."""
+    hidden, vocab, dense_inter, moe_inter, experts = 7168, 129280, 18432, 2048, 256
+    q_lora, kv_lora, heads, nope, rope, v_dim = 1536, 512, 128, 128, 64, 128
+
+    def layer(i: int) -> Iterator[Spec]:
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", "BF16", (hidden,)
+        yield from _fp8_linear(f"{p}.self_attn.q_a_proj", q_lora, hidden)
+        yield f"{p}.self_attn.q_a_layernorm.weight", "BF16", (q_lora,)
+        yield from _fp8_linear(f"{p}.self_attn.q_b_proj", heads * (nope + rope), q_lora)
+        yield from _fp8_linear(f"{p}.self_attn.kv_a_proj_with_mqa", kv_lora + rope, hidden)
+        yield f"{p}.self_attn.kv_a_layernorm.weight", "BF16", (kv_lora,)
+        yield from _fp8_linear(f"{p}.self_attn.kv_b_proj", heads * (nope + v_dim), kv_lora)
+        yield from _fp8_linear(f"{p}.self_attn.o_proj", hidden, heads * v_dim)
+        yield f"{p}.post_attention_layernorm.weight", "BF16", (hidden,)
+        if i < 3:
+            for proj, (o, n) in _mlp(dense_inter, hidden).items():
+                yield from _fp8_linear(f"{p}.mlp.{proj}", o, n)
+            return
+        yield f"{p}.mlp.gate.weight", "BF16", (experts, hidden)
+        yield f"{p}.mlp.gate.e_score_correction_bias", "F32", (experts,)
+        for e in range(experts):
+            for proj, (o, n) in _mlp(moe_inter, hidden).items():
+                yield from _fp8_linear(f"{p}.mlp.experts.{e}.{proj}", o, n)
+        for proj, (o, n) in _mlp(moe_inter, hidden).items():
+            yield from _fp8_linear(f"{p}.mlp.shared_experts.{proj}", o, n)
+
+    yield "model.embed_tokens.weight", "BF16", (vocab, hidden)
+    for i in range(61):
+        yield from layer(i)
+    yield "model.norm.weight", "BF16", (hidden,)
+    yield "lm_head.weight", "BF16", (vocab, hidden)
+    # Multi-token prediction module, stored as layer 61.
+    yield from layer(61)
+    yield "model.layers.61.embed_tokens.weight", "BF16", (vocab, hidden)
+    yield "model.layers.61.enorm.weight", "BF16", (hidden,)
+    yield "model.layers.61.hnorm.weight", "BF16", (hidden,)
+    yield "model.layers.61.eh_proj.weight", "BF16", (hidden, 2 * hidden)
+    yield "model.layers.61.shared_head.norm.weight", "BF16", (hidden,)
+    yield "model.layers.61.shared_head.head.weight", "BF16", (vocab, hidden)
+
+
+def _mlp(inter: int, hidden: int) -> dict[str, tuple[int, int]]:
+    return {
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
