@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/ckptctl --help
+	$(BIN)/ckptctl update --dry-run --checkpoint-path examples/tiny-checkpoint --world-size 2
 
 test: setup
 	$(BIN)/python -m pytest

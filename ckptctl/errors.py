@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from enum import IntEnum
 
 
@@ -47,17 +46,8 @@ class Interrupted(CkptctlError):
     exit_code = ExitCode.INTERRUPTED
 
 
-_print_lock = threading.Lock()
-_error_printed = False
-
-
 def print_error(message: str) -> None:
-    """Write the one error line to stderr, once per process (a watchdog and the main thread may race)."""
-    global _error_printed
-    with _print_lock:
-        if _error_printed:
-            return
-        _error_printed = True
+    """Write the one error line to stderr, with the rank in front inside a multi-rank job."""
     world = os.environ.get("WORLD_SIZE", "1")
     prefix = f"[rank {os.environ.get('RANK', '0')}] " if world not in ("", "1") else ""
     # A plain write, not Rich: the error must get out even if Rich itself is the problem.

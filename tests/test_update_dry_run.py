@@ -137,9 +137,42 @@ def test_bad_flags_are_usage_errors() -> None:
     assert invoke(*args, "--world-size", "0").exit_code == 2
 
 
-def test_without_dry_run_says_not_implemented() -> None:
-    result = invoke("update", "--checkpoint-path", str(TINY))
-    assert result.exit_code == 1 and "not implemented" in result.stderr
+@pytest.mark.parametrize(
+    ("extra", "code", "words"),
+    [
+        # one process is a world of 1: a TP8 group cannot be formed
+        ([], 2, "--inference-parallel-size 8 does not divide the world size 1"),
+        (
+            ["--inference-parallel-size", "1", "--world-size", "2"],
+            2,
+            "--world-size only goes with --dry-run",
+        ),
+        (
+            ["--inference-parallel-size", "1", "--engine", "vllm", "--weight-version", "v1"],
+            2,
+            "vLLM",
+        ),
+        # p2p is refused before anything is loaded when mooncake/RDMA are missing
+        (
+            ["--inference-parallel-size", "1", "--update-method", "p2p"],
+            3,
+            "mooncake is not installed",
+        ),
+        (
+            ["--inference-parallel-size", "1", "--update-method", "all"],
+            3,
+            "use --update-method broadcast",
+        ),
+        (["--inference-parallel-size", "1"], 1, "no CUDA device"),
+    ],
+)
+def test_update_without_a_gpu_fails_early_and_clearly(
+    extra: list[str], code: int, words: str
+) -> None:
+    result = invoke("update", "--checkpoint-path", str(TINY), "--timeout", "20", *extra)
+    assert result.exit_code == code, result.stderr
+    assert words in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_seed_flags_are_accepted() -> None:

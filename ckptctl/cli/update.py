@@ -1,7 +1,7 @@
 """`ckptctl update`: split a checkpoint across ranks, register it, push it to the server.
 
-Only `--dry-run` is implemented here: it plans the split and prints it, with no GPU, no server
-and no torchrun needed. The push itself is another module's work.
+`--dry-run` plans the split and prints it, with no GPU, no server and no torchrun needed.
+Otherwise every rank runs the pipeline in `ckptctl.pipeline.update` and rank 0 reports.
 """
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ import typer
 from ckptctl.cli._choices import EngineChoice, SplitChoice, UpdateMethodChoice
 from ckptctl.cli._options import (
     DEFAULT_ENDPOINT,
-    EndpointOpt,
+    ApiKeyOpt,
     EngineOpt,
     JsonOpt,
     QuietOpt,
     TimeoutOpt,
-    UdsOpt,
     WeightVersionOpt,
 )
 from ckptctl.cli._output import Output
-from ckptctl.errors import OperationFailed, UsageError
+from ckptctl.errors import UsageError
 from ckptctl.launch import LaunchInfo, launch_info
 
 
@@ -49,7 +48,15 @@ def update_command(
             show_default=False,
         ),
     ],
-    endpoint: EndpointOpt = DEFAULT_ENDPOINT,
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--endpoint",
+            help="Base URL of the inference server. Give it once per server group on this node "
+            "(in group order) to feed several servers from one torchrun.",
+            show_default=DEFAULT_ENDPOINT,
+        ),
+    ] = None,
     inference_parallel_size: Annotated[
         int,
         typer.Option(
@@ -67,7 +74,14 @@ def update_command(
         Path | None,
         typer.Option("--save-metas-file", help="Also write the gathered metas to this file."),
     ] = None,
-    uds: UdsOpt = None,
+    uds: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--uds",
+            help="Unix socket of the inference server for every HTTP call; once per group like "
+            "--endpoint.",
+        ),
+    ] = None,
     weight_version: WeightVersionOpt = None,
     sleep_time: Annotated[
         int,
@@ -99,6 +113,30 @@ def update_command(
     ] = None,
     engine: EngineOpt = EngineChoice.sglang,
     timeout: TimeoutOpt = 600.0,
+    api_key: ApiKeyOpt = None,
+    bucket_size_gb: Annotated[
+        float | None,
+        typer.Option(
+            "--bucket-size-gb",
+            min=0.001,
+            help="Largest transfer bucket in GiB (checkpoint-engine's PS_MAX_BUCKET_SIZE_GB, 8).",
+            show_default=False,
+        ),
+    ] = None,
+    mem_fraction: Annotated[
+        float | None,
+        typer.Option(
+            "--mem-fraction",
+            min=0.01,
+            max=1.0,
+            help="Share of free GPU memory the transfer buffers may use "
+            "(checkpoint-engine's PS_MEM_FRACTION, 0.9).",
+            show_default=False,
+        ),
+    ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Also show checkpoint-engine's own log.")
+    ] = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -115,10 +153,33 @@ def update_command(
     world = resolve_world_size(launch, world_size)
 
     if not dry_run:
-        raise OperationFailed(
-            "ckptctl update without --dry-run is not implemented yet; "
-            "run with --dry-run to see the plan"
+        if world_size is not None and not launch.under_torchrun:
+            raise UsageError(
+                "--world-size only goes with --dry-run: start one rank per GPU with torchrun"
+            )
+        from ckptctl.cli._update_view import run_and_report
+        from ckptctl.pipeline.update import UpdateOptions
+
+        opts = UpdateOptions(
+            checkpoint_path=str(checkpoint_path),
+            checkpoint_name=checkpoint_name,
+            endpoints=endpoint or [DEFAULT_ENDPOINT],
+            uds=uds or [],
+            api_key=api_key,
+            engine=engine.value,
+            parallel_size=inference_parallel_size,
+            update_method=update_method.value,
+            split=split.value,
+            weight_version=weight_version,
+            save_metas_file=str(save_metas_file) if save_metas_file else None,
+            sleep_time=float(sleep_time),
+            timeout=timeout,
+            bucket_size_gb=bucket_size_gb,
+            mem_fraction=mem_fraction,
+            verbose=verbose,
         )
+        run_and_report(opts, out)
+        return
 
     checkpoint = read_checkpoint(checkpoint_path)
     plan = plan_split(checkpoint, world, split.value)

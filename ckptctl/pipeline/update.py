@@ -14,7 +14,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptctl.errors import CkptctlError, DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
+from ckptctl.errors import (
+    CkptctlError,
+    DeadlineExceeded,
+    ExitCode,
+    InvalidInput,
+    OperationFailed,
+    UsageError,
+)
 from ckptctl.launch import LaunchInfo, launch_info
 from ckptctl.pipeline.coordination import Coordinator, Watchdog
 from ckptctl.pipeline.groups import GroupAssignment, assign_group, group_handles
@@ -188,7 +195,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
     """Run every stage on this rank. Returns the job's summary (complete on rank 0)."""
     launch = prepare_environment(opts, launch_info())
     if opts.weight_version is not None and opts.engine == "vllm":
-        raise InvalidInput("--weight-version needs --engine sglang: vLLM records no weight version")
+        raise UsageError("--weight-version needs --engine sglang: vLLM records no weight version")
     assignment = assign_group(
         rank=launch.rank,
         world_size=launch.world_size,
