@@ -31,7 +31,7 @@ stop_receiver() { kill "$rx_pid" 2>/dev/null; wait "$rx_pid" 2>/dev/null; }
 
 drive() {  # drive NAME ARGS... : one torchrun, bounded
     local name=$1; shift
-    timeout -k 5 150 torchrun --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29611 \
+    timeout -k 5 150 python3 -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29611 \
         tests/gpu_smoke_ps.py drive --checkpoint "$ck" --out "$out/smoke_$name.json" "$@" \
         >"$out/torchrun_$name.log" 2>&1
     local rc=$?
