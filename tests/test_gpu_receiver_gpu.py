@@ -36,26 +36,48 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _torchrun(nproc: int, *args: str) -> subprocess.Popen[str]:
-    """torchrun in its own process group, so a hung PS can be killed with all its ranks."""
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port()}"]
-    cmd += [str(HERE / "gpu_smoke_ps.py"), "drive", *args]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+class Ranks:
+    """The parameter-server ranks, started the way torchrun starts them (RANK, WORLD_SIZE,
+    MASTER_* in the environment) but each in its own session, so a rank that hangs in
+    checkpoint-engine is killed for sure. (torchrun starts its workers in new sessions
+    too, so killing torchrun's process group would leave them running.)"""
 
+    def __init__(self, tmp: Path, world: int, *args: str) -> None:
+        env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        cmd = [sys.executable, str(HERE / "gpu_smoke_ps.py"), "drive", *args]
+        self.logs = [tmp / f"rank{r}.log" for r in range(world)]
+        self.procs = []
+        for rank, log in enumerate(self.logs):
+            with open(log, "w") as fh:
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
 
-def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int | None, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
-        return None, out
+    def finish(self, timeout: float) -> list[int | None]:
+        """Exit codes; None for a rank still running at the deadline (then killed)."""
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        return codes
+
+    def log(self) -> str:
+        return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in self.logs)
 
 
 @pytest.fixture
@@ -75,12 +97,12 @@ def test_ps_rounds_arrive_bit_exact_and_failures_are_caught(
         pytest.skip(f"needs {tp} GPUs")
     out = tmp_path / "result.json"
     with ReceiverServer(ckpt, devices=list(range(tp))) as rx:
-        proc = _torchrun(tp, "--checkpoint", str(ckpt), "--endpoint", rx.endpoint,
-                         "--rounds", "ok,fail_last,fail_mid,ok", "--out", str(out))  # fmt: skip
-        rc, log = _finish(proc, timeout=240)
-    assert rc == 0, log[-4000:]
+        ranks = Ranks(tmp_path, tp, "--checkpoint", str(ckpt), "--endpoint", rx.endpoint,
+                      "--rounds", "ok,fail_last,fail_mid,ok", "--out", str(out))  # fmt: skip
+        codes = ranks.finish(timeout=240)
+    assert codes == [0] * tp, ranks.log()
     doc = json.loads(out.read_text())
-    assert doc["passed"], log[-4000:]
+    assert doc["passed"], ranks.log()
     first = doc["rounds"][0]["report"]
     assert [w["device"] for w in first["workers"]] == list(range(tp))
     assert all(w["buckets"] > 1 for w in first["workers"])
@@ -90,10 +112,10 @@ def test_ps_rounds_arrive_bit_exact_and_failures_are_caught(
 def test_vllm_profile_over_a_unix_socket(ckpt: Path, tmp_path: Path, short_uds: str) -> None:
     out = tmp_path / "result.json"
     with ReceiverServer(ckpt, devices=[0], profile="vllm", uds=short_uds):
-        proc = _torchrun(1, "--checkpoint", str(ckpt), "--uds", short_uds, "--engine", "vllm",
-                         "--rounds", "ok,fail_last", "--out", str(out))  # fmt: skip
-        rc, log = _finish(proc, timeout=180)
-    assert rc == 0, log[-4000:]
+        ranks = Ranks(tmp_path, 1, "--checkpoint", str(ckpt), "--uds", short_uds,
+                      "--engine", "vllm", "--rounds", "ok,fail_last", "--out", str(out))  # fmt: skip
+        codes = ranks.finish(timeout=180)
+    assert codes == [0], ranks.log()
     assert json.loads(out.read_text())["passed"]
 
 
@@ -123,20 +145,21 @@ def test_unknown_gpu_uuid_fails_like_sglang(ckpt: Path) -> None:
 def test_a_worker_that_dies_mid_update_is_reported(ckpt: Path, tmp_path: Path) -> None:
     config = ReceiverConfig(die_in_bucket=1)
     with ReceiverServer(ckpt, devices=[0], config=config) as rx:
-        proc = _torchrun(1, "--checkpoint", str(ckpt), "--endpoint", rx.endpoint,
-                         "--rounds", "ok")  # fmt: skip
+        ranks = Ranks(tmp_path, 1, "--checkpoint", str(ckpt), "--endpoint", rx.endpoint,
+                      "--rounds", "ok")  # fmt: skip
         # checkpoint-engine's PS then waits forever on the dead worker: watch the report,
         # then kill it.
         deadline = time.monotonic() + 120
         while rx.report()["updates"] == 0 and time.monotonic() < deadline:
             time.sleep(0.5)
-        _finish(proc, timeout=1)
+        codes = ranks.finish(timeout=2)
         doc = rx.report()
         # a later update is refused at once: the worker is gone
         later = httpx.post(
             f"{rx.endpoint}/update_weights_from_ipc", json={"zmq_handles": {}}, timeout=30
         )
     w = doc["workers"][0]
+    assert codes == [None], ranks.log()  # the PS was still hanging: the known bug
     assert doc["updates"] == 1 and doc["ok"] is False
     assert w["alive"] is False and "exited with code 17" in w["errors"][0]
     assert later.status_code == 400 and "dead" in later.json()["message"]
