@@ -323,6 +323,8 @@ def _worker_main(ckpt: str, device: int, conn: Connection) -> None:
 
 # -- the parent: HTTP server + worker pool -------------------------------------------------
 
+_GONE = ("gone",)  # what _recv returns once a worker has exited
+
 
 class ReceiverServer:
     """FakeServer + GPU workers. Context manager; `start()` returns once parameters exist."""
@@ -387,8 +389,13 @@ class ReceiverServer:
             deadline = time.monotonic() + self.startup_timeout_s
             for dev, proc, conn in zip(self.devices, self._procs, self._conns, strict=True):
                 msg = self._recv(conn, proc, deadline)
-                if msg is None or msg[0] != "ready":
-                    why = "no answer in time" if msg is None else msg[1]
+                if msg is None:
+                    why = "no answer in time"
+                elif msg is _GONE:
+                    why = f"it exited with code {proc.exitcode}"
+                elif msg[0] != "ready":
+                    why = msg[1]
+                if msg is None or msg is _GONE or msg[0] != "ready":
                     raise RuntimeError(f"receiver worker for GPU {dev} failed to start: {why}")
                 self._workers.append({**msg[1], "alive": True})
             self._last = [None] * len(self.devices)
@@ -563,12 +570,14 @@ class ReceiverServer:
             return {**empty, "errors": [f"worker process is dead (exit code {proc.exitcode})"]}
         while True:
             msg = self._recv(conn, proc, deadline)
+            if msg is _GONE:
+                # The pipe closes while the process is still tearing CUDA down: wait for it.
+                proc.join(timeout=30)
+                info["alive"] = False
+                why = f"worker process exited with code {proc.exitcode} during the update"
+                return {**empty, "errors": [why]}
             if msg is None:
-                if not proc.is_alive():
-                    info["alive"] = False
-                    why = f"worker process exited with code {proc.exitcode} during the update"
-                else:
-                    why = "worker did not finish within worker_timeout_s + 30 s"
+                why = "worker did not finish within worker_timeout_s + 30 s"
                 return {**empty, "errors": [why]}
             if msg[0] == "done" and msg[1] == seq:
                 return msg[2]
@@ -576,7 +585,8 @@ class ReceiverServer:
 
     @staticmethod
     def _recv(conn: Connection, proc: Any, deadline: float) -> Any:
-        """The next message from a worker, or None on death or deadline."""
+        """The next message from a worker; `_GONE` once it has exited (or closed its end of
+        the pipe), None at the deadline."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -586,9 +596,9 @@ class ReceiverServer:
                 try:
                     return conn.recv()
                 except (EOFError, OSError):
-                    return None
-            if proc.sentinel in ready and not conn.poll():
-                return None
+                    return _GONE
+            if proc.sentinel in ready:
+                return _GONE
 
 
 # -- command line --------------------------------------------------------------------------
