@@ -54,6 +54,8 @@ PROFILES = (*SGLANG_PROFILES, "vllm")
 
 # (zmq_handles, request body) -> None on success, or raise to fail the update with that message.
 UpdateHandler = Callable[[dict[str, str], dict[str, Any]], None]
+# (parsed JSON body or None) -> (HTTP status, JSON document): a test-control route.
+RouteHandler = Callable[[Any], tuple[int, Any]]
 
 
 @dataclass
@@ -70,6 +72,9 @@ class Behaviour:
     update_message: str = "IPC weight update completed successfully"
     update_delay_s: float = 0.0
     on_update: UpdateHandler | None = None
+    # ("GET" | "POST", path) -> handler. Served before misbehaviour and the API key, in every
+    # profile, so a test can always inspect and steer the server (see gpu_receiver.py).
+    routes: dict[tuple[str, str], RouteHandler] = field(default_factory=dict)
     requests: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -131,6 +136,20 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(401, {"error": "Unauthorized"})
         return False
 
+    def _control_route(self, method: str, body: bytes) -> bool:
+        """Serve a test-control route if one is registered for this path; True if served."""
+        route = self.server.behaviour.routes.get((method, self.path.split("?")[0]))
+        if route is None:
+            return False
+        try:
+            doc = json.loads(body) if body else None
+        except ValueError:
+            self._send_json(400, {"error": "body is not JSON"})
+            return True
+        status, answer = route(doc)
+        self._send_json(status, answer)
+        return True
+
     def _record(self, method: str, body: bytes) -> None:
         self.server.behaviour.requests.append(
             {"method": method, "path": self.path, "headers": dict(self.headers), "body": body}
@@ -139,6 +158,8 @@ class _Handler(BaseHTTPRequestHandler):
     # -- routes -----------------------------------------------------------------------------
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._record("GET", b"")
+        if self._control_route("GET", b""):
+            return
         if self._misbehave() or not self._authorised():
             return
         b: Behaviour = self.server.behaviour
@@ -178,6 +199,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         body = self._read_body()
         self._record("POST", body)
+        if self._control_route("POST", body):
+            return
         if self._misbehave() or not self._authorised():
             return
         b: Behaviour = self.server.behaviour
