@@ -207,7 +207,7 @@ class _Update:
                         f"{name}: got {tensor.dtype}{list(tensor.shape)}, "
                         f"expected {param.dtype}{list(param.shape)}"
                     )
-                param.copy_(tensor)
+                _as_bytes(param).copy_(_as_bytes(tensor))  # bytes: works for every dtype
                 self.bytes += tensor.numel() * tensor.element_size()
         except Exception as exc:
             self.run_errors.append(_short(exc))

@@ -143,7 +143,8 @@ _RANK_SCRIPT = textwrap.dedent(
     assignment = assign_group(rank=0, world_size=1, local_world_size=1, parallel_size=1,
                               endpoints=[endpoint], uds=[])
     watchdog = Watchdog(launch_info(), None, timeout_s=timeout).start()
-    request = ServerRequest(opts, assignment, watchdog)
+    # No IPC transfer ever finishes here: nobody connects to the (absent) zmq socket.
+    request = ServerRequest(opts, assignment, watchdog, threading.Event().wait)
     # checkpoint-engine runs req_func in a thread and then blocks its main thread on zmq.
     threading.Thread(target=request, args=([("GPU-aaaa", "ipc://@x")],), daemon=True).start()
     time.sleep(3600)

@@ -19,6 +19,7 @@ import glob
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -57,16 +58,25 @@ class ReplyWatchingSocket:
 
         self._socket = socket
         self.errors: list[str] = []
-        self.replies = 0
+        self._nones_sent = 0
+        # The PS ends every transfer with None, None; the reply to the second means the
+        # server's worker has loaded everything and run its post-hook.
+        self.finished = threading.Event()
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
         socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
 
+    def send_pyobj(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        if obj is None:
+            self._nones_sent += 1
+        return self._socket.send_pyobj(obj, *args, **kwargs)
+
     def recv(self, *args: Any, **kwargs: Any) -> bytes:
         reply = self._socket.recv(*args, **kwargs)
-        self.replies += 1
         if reply != b"":
             self.errors.append(reply.decode("utf-8", errors="replace"))
+        if self._nones_sent >= 2:
+            self.finished.set()
         return reply
 
     def __getattr__(self, name: str) -> Any:
@@ -134,16 +144,40 @@ class ParameterServerSession:
     def metas(self) -> dict[int, Any]:
         return self.ps.get_metas()
 
+    def wait_transfer_finished(self, timeout: float) -> bool:
+        """Wait until the current transfer's last reply came back (called from the req thread)."""
+        return bool(self.sockets) and self.sockets[-1].finished.wait(timeout)
+
     def update(
         self, name: str, req_func: Callable[[list[tuple[str, str]]], None], ranks: list[int] | None
     ) -> None:
-        self.ps.update(name, req_func, ranks=ranks)
-        errors = [e for s in self.sockets for e in s.errors]
-        if errors:
-            raise OperationFailed(
+        try:
+            self.ps.update(name, req_func, ranks=ranks)
+        except Exception as exc:
+            raise self._explain(exc) from exc
+        if self._worker_errors():  # checkpoint-engine dropped this reply: the last bucket failed
+            raise self._explain(None)
+
+    def _worker_errors(self) -> list[str]:
+        return [e for s in self.sockets for e in s.errors]
+
+    def _explain(self, exc: Exception | None) -> OperationFailed:
+        """One line for what went wrong in checkpoint-engine's update, the worker's words first."""
+        import zmq
+
+        errors = self._worker_errors()
+        if errors or exc is None:
+            return OperationFailed(
                 f"the server's worker on {self.device_uuid} failed while loading the weights "
-                f"(the server may now hold partly updated weights): {last_line(errors[-1])}"
+                f"(the server may now hold partly updated weights): "
+                f"{last_line(errors[-1]) if errors else exc}"
             )
+        if isinstance(exc, zmq.Again):
+            return OperationFailed(
+                f"the server's worker for {self.device_uuid} did not answer over IPC in time; "
+                "check that the server runs on this job's GPUs"
+            )
+        return OperationFailed(f"checkpoint-engine's update failed: {type(exc).__name__}: {exc}")
 
     def unregister(self, name: str) -> None:
         self.ps.unregister_checkpoint(name)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,12 +100,17 @@ class ServerRequest:
     """
 
     def __init__(
-        self, opts: UpdateOptions, assignment: GroupAssignment, watchdog: Watchdog
+        self,
+        opts: UpdateOptions,
+        assignment: GroupAssignment,
+        watchdog: Watchdog,
+        transfer_finished: Callable[[float], bool],
     ) -> None:
         self.opts = opts
         self.assignment = assignment
         self.watchdog = watchdog
-        self.transfer_done = threading.Event()
+        # Blocks until the IPC transfer of the current update is over (True) or times out.
+        self.transfer_finished = transfer_finished
         self.messages: list[str] = []
 
     def __call__(self, socket_paths: list[tuple[str, str]]) -> None:
@@ -151,7 +156,7 @@ class ServerRequest:
         self.messages.append(message)
         # The server says it is done: the transfer on our side must end now too. If it does
         # not, the server answered without taking the weights (it never connected over IPC).
-        if not self.transfer_done.wait(AFTER_ANSWER_GRACE_S):
+        if not self.transfer_finished(AFTER_ANSWER_GRACE_S):
             self.watchdog.fail(
                 ExitCode.FAILED,
                 f"{address.describe()} answered success ({message!r}) but never took the weights "
@@ -227,6 +232,11 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             if coordinator is not None:
                 coordinator.publish_abort(exc.exit_code, str(exc))
             raise
+        except Exception as exc:
+            # Anything checkpoint-engine or torch raises: tell the other ranks before we go.
+            if coordinator is not None:
+                coordinator.publish_abort(ExitCode.FAILED, f"{type(exc).__name__}: {exc}")
+            raise OperationFailed(f"{type(exc).__name__}: {exc}") from exc
         return summary
 
 
@@ -279,7 +289,7 @@ def _run_stages(
                 world_size=launch.world_size,
             )
 
-    request = ServerRequest(opts, assignment, watchdog)
+    request = ServerRequest(opts, assignment, watchdog, session.wait_transfer_finished)
     with reporter.stage(
         "update", "pushing the weights to the server", nbytes=checkpoint.total_bytes
     ) as st:
@@ -289,7 +299,6 @@ def _run_stages(
             if opts.update_method == "all":
                 time.sleep(2)  # as the seed: let the broadcast's process group go down first
             session.update(opts.checkpoint_name, request, list(range(opts.parallel_size)))
-        request.transfer_done.set()
         if request.messages:
             st.detail = request.messages[-1]
 
