@@ -67,3 +67,12 @@ def test_endpoint_count_must_match_groups_on_the_node() -> None:
 def test_group_handles_slices_the_groups_sockets() -> None:
     paths = [(f"GPU-{i}", f"ipc://@s{i}") for i in range(4)]
     assert group_handles(paths, (2, 3)) == {"GPU-2": "ipc://@s2", "GPU-3": "ipc://@s3"}
+
+
+@pytest.mark.parametrize("gb", [0.001, 0.5, 1, 2.3, 8])
+def test_bucket_size_is_a_whole_number_of_mib(gb: float) -> None:
+    from ckptctl.pipeline.update import bucket_size_env
+
+    nbytes = int(float(bucket_size_env(gb)) * (1 << 30))  # what checkpoint-engine computes
+    assert nbytes % (1 << 20) == 0 and nbytes > 0
+    assert abs(nbytes - gb * (1 << 30)) <= 1 << 20

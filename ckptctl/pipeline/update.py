@@ -55,7 +55,7 @@ class UpdateOptions:
 def prepare_environment(opts: UpdateOptions, launch: LaunchInfo) -> LaunchInfo:
     """checkpoint-engine reads its settings from the environment; a lone process gets a world of 1."""
     if opts.bucket_size_gb is not None:
-        os.environ["PS_MAX_BUCKET_SIZE_GB"] = str(opts.bucket_size_gb)
+        os.environ["PS_MAX_BUCKET_SIZE_GB"] = bucket_size_env(opts.bucket_size_gb)
     if opts.mem_fraction is not None:
         os.environ["PS_MEM_FRACTION"] = str(opts.mem_fraction)
     if not launch.under_torchrun:
@@ -72,6 +72,17 @@ def prepare_environment(opts: UpdateOptions, launch: LaunchInfo) -> LaunchInfo:
         )
         launch = launch_info()
     return launch
+
+
+def bucket_size_env(gb: float) -> str:
+    """PS_MAX_BUCKET_SIZE_GB for about `gb` GiB, rounded to whole MiB.
+
+    checkpoint-engine uses int(value * 2**30) bytes as is; the worker then views the second
+    half of its double buffer at that offset as, say, bf16, which fails unless it is aligned.
+    A whole number of MiB is a binary fraction of a GiB, so the string round-trips exactly.
+    """
+    mib = max(round(gb * 1024), 1)
+    return repr(mib / 1024)
 
 
 def configure_engine_logging(verbose: bool, debug: bool) -> None:
@@ -138,7 +149,8 @@ class ServerRequest:
         except httpx.TimeoutException:
             self.watchdog.fail(
                 ExitCode.TIMEOUT,
-                f"{address.describe()} did not finish the update within --timeout ({timeout:.0f}s left)",
+                f"timed out after {self.opts.timeout:g}s: {address.describe()} did not finish "
+                "the update; raise --timeout if the server is just slow",
             )
             return
         except httpx.HTTPError as exc:
