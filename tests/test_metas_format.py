@@ -224,3 +224,12 @@ def test_absurd_numbers_and_nesting(tmp_path: Path) -> None:
     path.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(InvalidInput, match="not a metas file"):
         read_metas_file(path)
+
+
+def test_every_cut_is_refused(written: Path) -> None:
+    """Whatever byte a cut lands on, the reader refuses the file (never returns part of it)."""
+    data = written.read_bytes()
+    for cut in range(1, len(data) - 2, 5):
+        written.write_bytes(data[:cut])
+        with pytest.raises(InvalidInput):
+            read_metas_file(written)

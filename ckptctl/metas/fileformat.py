@@ -285,9 +285,11 @@ def _parse_json(data: bytes, path: Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise InvalidInput(f"{path} is not a metas file: it is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
-        what = "is truncated" if exc.pos >= len(data.rstrip()) - 1 else "is not valid JSON"
+        # The parser stopped at the end, or inside a string that never closes: cut short.
+        cut = exc.pos >= len(data.rstrip()) - 1 or exc.msg.startswith("Unterminated string")
         raise InvalidInput(
-            f"{path} {what} ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+            f"{path} {'is truncated' if cut else 'is not valid JSON'} "
+            f"({exc.msg}: line {exc.lineno} column {exc.colno}); "
             "write it again with ckptctl save-metas"
         ) from None
     except (ValueError, RecursionError) as exc:  # e.g. a 5000-digit number, absurd nesting
