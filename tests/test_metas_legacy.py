@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_engine.data_types import DataToGather, ParameterMeta
-from metas_samples import every_dtype_metas, small_metas
+from metas_samples import every_dtype_metas, invoke, run_script, small_metas
 
 from ckptctl.errors import InvalidInput
 from ckptctl.metas import read_metas_file
@@ -202,3 +202,17 @@ def test_truncated_padded_and_persistent_id_pickles(tmp_path: Path) -> None:
         path.write_bytes(content)
         with pytest.raises(InvalidInput, match=message):
             read_metas_file(path, allow_pickle=True)
+
+
+def test_cli_refuses_malicious_pickle_with_and_without_the_flag(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "metas.pkl"
+    path.write_bytes(pickle.dumps(_hidden_in_metas(_payload_classes(marker)[0]())))
+    for flags in ([], ["--allow-pickle"]):
+        result = invoke("inspect-metas", str(path), *flags)
+        assert result.exit_code == 3, result.output
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+        proc = run_script("inspect-metas", str(path), "--json", *flags)
+        assert proc.returncode == 3 and proc.stdout == ""
+        assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+        assert not marker.exists()

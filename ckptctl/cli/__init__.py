@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from ckptctl import __version__
-from ckptctl.cli import wait_ready
+from ckptctl.cli import metas, wait_ready
 from ckptctl.cli._errors import handle_errors, install_signal_handlers
 
 EXIT_CODES_HELP = (
@@ -46,6 +46,7 @@ def _root(
 
 # Pipeline order: wait for the server, plan/push (update), share metas, join.
 app.command("wait-ready", epilog=EXIT_CODES_HELP)(handle_errors(wait_ready.wait_ready_command))
+app.command("inspect-metas", epilog=EXIT_CODES_HELP)(handle_errors(metas.inspect_metas_command))
 
 
 def main() -> None:

@@ -16,13 +16,25 @@ from ckptctl.metas.fileformat import (
     validate_metas,
     write_metas_file,
 )
+from ckptctl.metas.summary import (
+    CheckpointTensor,
+    Difference,
+    MetasSummary,
+    compare_with_checkpoint,
+    summarize,
+)
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_METAS_FILE_BYTES",
+    "CheckpointTensor",
+    "Difference",
     "MetasFile",
+    "MetasSummary",
+    "compare_with_checkpoint",
     "read_metas_file",
+    "summarize",
     "validate_metas",
     "write_metas_file",
 ]
