@@ -83,6 +83,15 @@ def small_metas() -> dict[int, MemoryBufferMetaList]:
     }
 
 
+def write_small_metas(directory: Path) -> Path:
+    """small_metas() as `metas.json`: checkpoint "ck-iter-7", world size 2."""
+    from ckptctl.metas import write_metas_file
+
+    path = directory / "metas.json"
+    write_metas_file(path, small_metas(), checkpoint_name="ck-iter-7", world_size=2)
+    return path
+
+
 def canonical_checksum(doc: dict[str, Any]) -> str:
     """The checksum as the format defines it, computed here independently of ckptctl."""
     body = {k: v for k, v in doc.items() if k != "checksum"}

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from metas_samples import every_dtype_metas, invoke, owner, param, rewrite, run_script, small_metas
+from metas_samples import (
+    every_dtype_metas,
+    invoke,
+    owner,
+    param,
+    rewrite,
+    run_script,
+    small_metas,
+    write_small_metas,
+)
 from safetensors.torch import save_file
 
 from ckptctl.metas import CheckpointTensor, compare_with_checkpoint, write_metas_file
@@ -16,9 +25,7 @@ from ckptctl.metas import CheckpointTensor, compare_with_checkpoint, write_metas
 
 @pytest.fixture
 def metas_file(tmp_path: Path) -> Path:
-    path = tmp_path / "metas.json"
-    write_metas_file(path, small_metas(), checkpoint_name="ck-iter-7", world_size=2)
-    return path
+    return write_small_metas(tmp_path)
 
 
 def _checkpoint(tmp_path: Path) -> Path:

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_engine.data_types import MemoryBufferMetaList
-from metas_samples import ALL_DTYPES, canonical_checksum, every_dtype_metas, rewrite, small_metas
+from metas_samples import (
+    ALL_DTYPES,
+    canonical_checksum,
+    every_dtype_metas,
+    rewrite,
+    small_metas,
+    write_small_metas,
+)
 
 from ckptctl import __version__
 from ckptctl.errors import InvalidInput, OperationFailed
@@ -19,9 +26,7 @@ from ckptctl.metas import fileformat, read_metas_file, write_metas_file
 
 @pytest.fixture
 def written(tmp_path: Path) -> Path:
-    path = tmp_path / "metas.json"
-    write_metas_file(path, small_metas(), checkpoint_name="ck-iter-7", world_size=2)
-    return path
+    return write_small_metas(tmp_path)
 
 
 def test_round_trip_every_dtype_zero_dim_shapes_many_ranks(tmp_path: Path) -> None:

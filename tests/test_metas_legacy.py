@@ -195,7 +195,11 @@ def test_truncated_padded_and_persistent_id_pickles(tmp_path: Path) -> None:
     cases = {
         "truncated": (data[: len(data) // 2], "not a readable metas pickle"),
         "padded": (data + b"\x00junk", "unexpected data after the end"),
-        "persid": (b"\x80\x02X\x01\x00\x00\x00aQ.", "not a readable metas pickle"),
+        "persid": (b"\x80\x02X\x01\x00\x00\x00aQ.", "BINPERSID opcode"),
+        # A length field far beyond the file: refused before anything is allocated.
+        "huge": (b"\x80\x05\x96" + (2**62).to_bytes(8, "little") + b"ab.", "not a readable"),
+        # LONG_BINPUT 2**30: the C unpickler would size its memo array to match (8+ GiB).
+        "memo": (b"\x80\x04N" + b"r" + (2**30).to_bytes(4, "little") + b".", "memo index"),
     }
     for name, (content, message) in cases.items():
         path = tmp_path / name
@@ -216,3 +220,35 @@ def test_cli_refuses_malicious_pickle_with_and_without_the_flag(tmp_path: Path) 
         assert proc.returncode == 3 and proc.stdout == ""
         assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
         assert not marker.exists()
+
+
+def test_mutated_files_are_read_or_refused_quietly(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Random damage to real files: a valid result or InvalidInput, nothing else, no noise.
+
+    (This found a BYTEARRAY8 length that made the C unpickler print a SystemError to fd 2,
+    and a LONG_BINPUT index that made it allocate gigabytes for 30 s.)
+    """
+    import random
+
+    rng = random.Random(1)
+    seeds = [pickle.dumps(small_metas(), protocol=p) for p in range(6)]
+    path = tmp_path / "m"
+    read = refused = 0
+    for _ in range(1500):
+        data = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 4)):
+            pos = rng.randrange(len(data))
+            if rng.random() < 0.6:
+                data[pos] = rng.randrange(256)
+            else:
+                data[pos : pos + rng.randint(1, 20)] = b""
+        path.write_bytes(bytes(data))
+        try:
+            read_metas_file(path, allow_pickle=True)
+            read += 1
+        except InvalidInput:
+            refused += 1
+    assert read > 0 and refused > 0
+    assert capfd.readouterr().err == ""

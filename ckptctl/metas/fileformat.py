@@ -34,6 +34,7 @@ import os
 import pickletools
 import re
 import tempfile
+import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -271,8 +272,10 @@ def _sniff(data: bytes) -> str:
     # Protocols 0 and 1 have no marker: accept a stream that parses, opcode by opcode, to a
     # final STOP. pickletools only decodes opcodes; it never builds an object.
     try:
-        last = collections.deque(pickletools.genops(data), maxlen=1)
-    except (ValueError, UnicodeDecodeError):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # odd escapes in protocol-0 text
+            last = collections.deque(pickletools.genops(data), maxlen=1)
+    except ValueError:
         return "unknown"
     if last and last[0][0].name == "STOP" and last[0][2] == len(data) - 1:
         return "pickle"
@@ -281,12 +284,14 @@ def _sniff(data: bytes) -> str:
 
 def _parse_json(data: bytes, path: Path) -> dict[str, Any]:
     try:
-        doc = json.loads(data.decode("utf-8-sig"))
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise InvalidInput(f"{path} is not a metas file: it is not UTF-8 text") from None
+    try:
+        doc = json.loads(text)
     except json.JSONDecodeError as exc:
         # The parser stopped at the end, or inside a string that never closes: cut short.
-        cut = exc.pos >= len(data.rstrip()) - 1 or exc.msg.startswith("Unterminated string")
+        cut = exc.pos >= len(text.rstrip()) - 1 or exc.msg.startswith("Unterminated string")
         raise InvalidInput(
             f"{path} {'is truncated' if cut else 'is not valid JSON'} "
             f"({exc.msg}: line {exc.lineno} column {exc.colno}); "

@@ -12,7 +12,9 @@ resolves only the globals that such a file holds, found by disassembling real on
   protocols 0-3), spelled exactly as those protocols write them.
 
 Any other global (`os.system`, `builtins.eval`, `subprocess.Popen`, ...) stops the load
-before it is called. What comes out is turned into plain data and checked by the same
+before it is called. Before that, every opcode is decoded without building anything, and
+opcodes a metas pickle never holds (bytes, buffers, persistent ids, the extension registry)
+are refused. What comes out is turned into plain data and checked by the same
 validator as a JSON file, so a stream that builds odd objects from admitted classes is
 refused too.
 """
@@ -22,9 +24,33 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import pickletools
+import warnings
 from typing import Any
 
 from ckptctl.errors import InvalidInput
+
+# Opcodes no get_metas() pickle holds: raw bytes and out-of-band buffers, persistent ids, the
+# copyreg extension registry, and protocol 0's class calls (INST, OBJ).
+_REFUSED_OPCODES = frozenset(
+    {
+        "BINBYTES",
+        "SHORT_BINBYTES",
+        "BINBYTES8",
+        "BYTEARRAY8",
+        "NEXT_BUFFER",
+        "READONLY_BUFFER",
+        "PERSID",
+        "BINPERSID",
+        "EXT1",
+        "EXT2",
+        "EXT4",
+        "INST",
+        "OBJ",
+    }
+)
+
+_MEMO_STORES = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
 
 
 class RefusedGlobal(pickle.UnpicklingError):
@@ -70,6 +96,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 def load_legacy_pickle(data: bytes, *, source: str) -> dict[int, Any]:
     """Unpickle `data` with the allow-list; return plain data for `validate_metas`."""
+    _scan(data, source)
     stream = io.BytesIO(data)
     try:
         obj = _RestrictedUnpickler(stream).load()
@@ -87,6 +114,32 @@ def load_legacy_pickle(data: bytes, *, source: str) -> dict[int, Any]:
     if not isinstance(obj, dict) or any(type(k) is not int for k in obj):
         raise InvalidInput(f"{source}: not a metas pickle (expected a dict keyed by owner rank)")
     return _to_plain(obj, source)
+
+
+def _scan(data: bytes, source: str) -> None:
+    """Decode every opcode before unpickling (pickletools builds no objects).
+
+    This refuses what a metas pickle never holds, and the fields that make the C unpickler
+    allocate far more than the file holds: a length beyond the file, a memo index out of order.
+    """
+    stores = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # odd escapes in protocol-0 strings
+        try:
+            for opcode, arg, _pos in pickletools.genops(data):
+                if opcode.name in _REFUSED_OPCODES:
+                    raise InvalidInput(
+                        f"{source}: refused to unpickle: it uses the {opcode.name} opcode, which "
+                        "no metas file holds; the file is not a checkpoint-engine metas pickle"
+                    )
+                if opcode.name in _MEMO_STORES:
+                    # A pickler numbers its memo 0, 1, 2, ...; the C unpickler sizes its memo
+                    # array to the index, so one PUT of index 2**30 would allocate gigabytes.
+                    if opcode.name != "MEMOIZE" and arg > stores:
+                        raise InvalidInput(f"{source}: not a metas pickle (memo index {arg})")
+                    stores += 1
+        except ValueError as exc:
+            raise InvalidInput(f"{source}: not a readable metas pickle ({exc})") from None
 
 
 def _to_plain(obj: Any, source: str) -> Any:
