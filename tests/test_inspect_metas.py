@@ -161,9 +161,11 @@ def test_size_difference_from_header_offsets() -> None:
 
 
 def test_missing_checkpoint_is_invalid_input(tmp_path: Path, metas_file: Path) -> None:
-    result = invoke("inspect-metas", str(metas_file), "--checkpoint-path", str(tmp_path / "no"))
+    missing = tmp_path / "no"
+    result = invoke("inspect-metas", str(metas_file), "--checkpoint-path", str(missing))
     assert result.exit_code == 3
-    assert result.stderr.startswith("error: no .safetensors files at")
+    assert result.stderr.startswith("error: ") and str(missing) in result.stderr
+    assert result.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize(
