@@ -1,0 +1,214 @@
+"""`ckptctl inspect-metas`: what a metas file holds, and whether it matches a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckptctl.cli._options import JsonOpt, QuietOpt
+from ckptctl.cli._output import Output
+from ckptctl.errors import InvalidInput, OperationFailed
+
+if TYPE_CHECKING:
+    from ckptctl.metas import CheckpointTensor, Difference, MetasSummary
+
+_SHOWN_DIFFERENCES = 20
+
+
+def inspect_metas_command(
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="A metas file (ckptctl's JSON, or a legacy pickle with --allow-pickle).",
+            show_default=False,
+        ),
+    ],
+    checkpoint_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint-path",
+            help="Also check the metas against this checkpoint's safetensors headers "
+            "(names, dtypes, shapes, sizes); any difference is exit 1.",
+        ),
+    ] = None,
+    allow_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--allow-pickle",
+            help="Read a legacy pickle metas file (the seed script's) through a restricted "
+            "unpickler that admits only checkpoint-engine's metas classes.",
+        ),
+    ] = False,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Summarise a metas file: per owner rank, totals, dtypes, largest tensors. Needs no GPU.
+
+    Example: [bold]ckptctl inspect-metas metas.json --checkpoint-path /models/Qwen3-8B[/bold]
+    """
+    from ckptctl.metas import compare_with_checkpoint, read_metas_file, summarize
+
+    out = Output(json_mode=json_output, quiet=quiet)
+    metas_file = read_metas_file(file, allow_pickle=allow_pickle)
+    if metas_file.legacy_pickle:
+        out.warn(
+            f"{file} is a legacy pickle file: it has no checkpoint name, world size or checksum"
+        )
+    summary = summarize(metas_file)
+    diffs: list[Difference] | None = None
+    if checkpoint_path is not None:
+        diffs = compare_with_checkpoint(metas_file.metas, _checkpoint_tensors(checkpoint_path))
+
+    if json_output:
+        doc = summary.as_json()
+        if diffs is not None:
+            doc["check"] = {
+                "checkpoint_path": str(checkpoint_path),
+                "ok": not diffs,
+                "differences": [d.as_json() for d in diffs],
+            }
+        out.result(doc)
+    else:
+        _show(out, summary)
+        if diffs is not None:
+            _show_differences(out, diffs, checkpoint_path)
+    if diffs:
+        raise OperationFailed(
+            f"{file} does not match {checkpoint_path}: {len(diffs)} difference(s)"
+        )
+
+
+def _checkpoint_tensors(path: Path) -> list[CheckpointTensor]:
+    from ckptctl.metas import CheckpointTensor
+
+    try:
+        from ckptctl.checkpoint import read_checkpoint  # type: ignore[import-not-found]
+    except ImportError:
+        return _header_tensors(path)
+    return [
+        CheckpointTensor(t.name, t.dtype, tuple(t.shape), t.end - t.start)
+        for t in read_checkpoint(path).tensors
+    ]
+
+
+# TODO: switch to ckptctl.checkpoint once merged (this reads headers only, never tensor data).
+def _header_tensors(path: Path) -> list[CheckpointTensor]:
+    from safetensors import SafetensorError, safe_open
+
+    from ckptctl.metas import CheckpointTensor
+    from ckptctl.metas.summary import SAFETENSORS_DTYPES
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not path.exists() or not files:
+        raise InvalidInput(f"no .safetensors files at {path}")
+    tensors = []
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    piece = st.get_slice(name)
+                    dtype, shape = piece.get_dtype(), tuple(piece.get_shape())
+                    itemsize = SAFETENSORS_DTYPES.get(dtype, (None, None))[1]
+                    numel = 1
+                    for d in shape:
+                        numel *= d
+                    tensors.append(
+                        CheckpointTensor(name, dtype, shape, itemsize * numel if itemsize else None)
+                    )
+        except (SafetensorError, OSError) as exc:
+            raise InvalidInput(f"{f} is not a readable safetensors file: {exc}") from None
+    return tensors
+
+
+def _human_bytes(n: int) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    size, i = float(n), 0
+    while size >= 1024 and i < len(units) - 1:
+        size, i = size / 1024, i + 1
+    return f"{n} B" if i == 0 else f"{size:.2f} {units[i]}"
+
+
+def _show(out: Output, summary: MetasSummary) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    src = summary.source
+    if src.legacy_pickle:
+        out.show(f"[bold]{escape(str(src.path))}[/bold]  legacy pickle (no header)")
+    else:
+        out.show(
+            f"[bold]{escape(str(src.path))}[/bold]  "
+            f"checkpoint [cyan]{escape(src.checkpoint_name or '')}[/cyan] · "
+            f"world size {src.world_size} · written {src.created_at:%Y-%m-%d %H:%M:%S %Z} by "
+            f"ckptctl {src.ckptctl_version}, checkpoint-engine {src.checkpoint_engine_version}"
+        )
+
+    ranks = Table(title="Owner ranks", title_justify="left")
+    for col in ("rank", "buffers", "parameters", "bytes"):
+        ranks.add_column(col, justify="right")
+    ranks.add_column("p2p store")
+    ranks.add_column("RDMA device")
+    for r in summary.ranks:
+        ranks.add_row(
+            str(r.rank),
+            str(r.buffers),
+            f"{r.parameters:,}",
+            _human_bytes(r.nbytes),
+            Text(r.p2p_store_addr or "-"),
+            Text(r.rdma_device or "-"),
+        )
+    ranks.add_section()
+    ranks.add_row(
+        "total",
+        str(sum(r.buffers for r in summary.ranks)),
+        f"{summary.total_parameters:,}",
+        _human_bytes(summary.total_bytes),
+        "",
+        "",
+        style="bold",
+    )
+    out.show(ranks)
+
+    dtypes = Table(title="Dtypes", title_justify="left")
+    for col, justify in (("dtype", "left"), ("parameters", "right"), ("bytes", "right")):
+        dtypes.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for dtype, (n, b) in summary.dtypes.items():
+        dtypes.add_row(dtype, f"{n:,}", _human_bytes(b))
+    out.show(dtypes)
+
+    if summary.largest:
+        largest = Table(title="Largest tensors", title_justify="left")
+        for col, justify in (
+            ("name", "left"),
+            ("rank", "right"),
+            ("dtype", "left"),
+            ("shape", "left"),
+            ("bytes", "right"),
+        ):
+            largest.add_column(col, justify=justify)  # type: ignore[arg-type]
+        for t in summary.largest:
+            largest.add_row(
+                Text(t.name), str(t.rank), t.dtype, str(list(t.shape)), _human_bytes(t.nbytes)
+            )
+        out.show(largest)
+    if not summary.p2p_ready:
+        out.show("[yellow]not joinable over p2p: a rank has no p2p store address or RDMA device[/]")
+    if summary.duplicate_names:
+        out.show(f"[yellow]{len(summary.duplicate_names)} tensor name(s) held by several ranks[/]")
+
+
+def _show_differences(out: Output, diffs: list[Difference], checkpoint_path: Path | None) -> None:
+    from rich.markup import escape
+    from rich.text import Text
+
+    if not diffs:
+        out.show(f"[green]matches {escape(str(checkpoint_path))}[/]: names, dtypes, shapes, sizes")
+        return
+    out.show(f"[red]{len(diffs)} difference(s) from {escape(str(checkpoint_path))}[/]:")
+    for d in diffs[:_SHOWN_DIFFERENCES]:
+        out.show(Text(f"  {d.describe()}"))
+    if len(diffs) > _SHOWN_DIFFERENCES:
+        out.show(f"  ... and {len(diffs) - _SHOWN_DIFFERENCES} more (--json lists them all)")
