@@ -57,7 +57,11 @@ def write_checkpoint(root: Path, model: str) -> tuple[int, int]:
         offset = 0
         for tensor_name, dtype, shape in group:
             size = nbytes(dtype, shape)
-            header[tensor_name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[tensor_name] = {
+                "dtype": dtype,
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
             offset += size
             weight_map[tensor_name] = name
         with open(root / name, "wb") as fh:
@@ -121,9 +125,21 @@ def bare_torchrun_seconds(tp: int) -> float:
         fh.write(_BARE)
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), fh.name],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(tp),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            fh.name,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     return time.perf_counter() - t0
 
@@ -133,9 +149,18 @@ def bare_torchrun_seconds(tp: int) -> float:
 
 def start_receiver(ckpt: Path, tp: int) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "gpu_receiver.py"), "--checkpoint-path", str(ckpt),
-         "--devices", ",".join(map(str, range(tp))), "--port", str(free_port())],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            str(REPO / "tests" / "gpu_receiver.py"),
+            "--checkpoint-path",
+            str(ckpt),
+            "--devices",
+            ",".join(map(str, range(tp))),
+            "--port",
+            str(free_port()),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -146,10 +171,28 @@ def start_receiver(ckpt: Path, tp: int) -> tuple[subprocess.Popen[str], str]:
 
 
 def run_update(ckpt: Path, tp: int, endpoint: str, extra: list[str]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "--no-python", "ckptctl", "update", "--checkpoint-path", str(ckpt),
-           "--inference-parallel-size", str(tp), "--endpoint", endpoint, "--json", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(tp),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "--no-python",
+        "ckptctl",
+        "update",
+        "--checkpoint-path",
+        str(ckpt),
+        "--inference-parallel-size",
+        str(tp),
+        "--endpoint",
+        endpoint,
+        "--json",
+        *extra,
+    ]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - t0
@@ -207,9 +250,15 @@ def main() -> None:
         receiver.wait(timeout=60)
 
     doc = {
-        "model": args.model, "tp": args.tp, "total_bytes": total, "tensors": n_tensors,
-        "checkpoint_write_s": write_s, "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__, "limits": limits, "runs": runs,
+        "model": args.model,
+        "tp": args.tp,
+        "total_bytes": total,
+        "tensors": n_tensors,
+        "checkpoint_write_s": write_s,
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "limits": limits,
+        "runs": runs,
         "command": f"python bench/bench_update.py --model {args.model} --tp {args.tp} --runs {args.runs}"
         + (f" --extra '{args.extra}'" if args.extra else ""),
     }
