@@ -70,6 +70,10 @@ class Reporter:
         if not self.quiet:
             self._log(message)
 
+    def warn(self, message: str) -> None:
+        """Warnings print even with --quiet."""
+        self._log(f"warning: {message}")
+
     def _started(self, name: str, label: str) -> None:
         if self.primary:
             self.log(f"{label}...")

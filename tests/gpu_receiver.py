@@ -294,6 +294,25 @@ def _worker_main(ckpt: str, device: int, conn: Connection) -> None:
         finally:
             ctx.destroy(linger=0)
         seconds = time.monotonic() - t0
+        loaded = {
+            "device": device,
+            "uuid": uuid,
+            "update": seq,
+            "tensors_received": sum(up.counts.values()),
+            "bytes": up.bytes,
+            "buckets": up.buckets,
+            "seconds": round(seconds, 6),
+            "verify_seconds": None,
+            "mismatches": [],
+            "missing": [],
+            "unexpected": [],
+            "duplicates": [],
+            "swallowed_errors": [] if errors else up.run_errors,
+            "errors": up.run_errors + errors if errors else [],
+        }
+        # The HTTP answer goes out now (a real server answers once the load is over); the
+        # bit-for-bit check follows and /receiver/report waits for it.
+        conn.send(("loaded", seq, loaded))
         mismatches: list[str] = []
         t1 = time.monotonic()
         if cfg["verify"]:
@@ -357,6 +376,7 @@ class ReceiverServer:
         }
         self.http = FakeServer(self.behaviour, uds=uds, port=port)
         self._stopping = threading.Event()
+        self._verifying: threading.Thread | None = None
         self._update_lock = threading.Lock()  # one update at a time, like SGLang's writer lock
         self._state_lock = threading.Lock()
         self._procs: list[Any] = []
@@ -429,6 +449,9 @@ class ReceiverServer:
 
     # -- reports and config -----------------------------------------------------------------
     def report(self) -> dict[str, Any]:
+        verifying = self._verifying
+        if verifying is not None:
+            verifying.join(timeout=float(self.config.worker_timeout_s) + 30.0)
         with self._state_lock:
             workers = []
             for info, last in zip(self._workers, self._last, strict=False):
@@ -523,6 +546,8 @@ class ReceiverServer:
             raise RuntimeError("this receiver has no GPU workers")
         if not isinstance(handles, dict):
             raise ValueError("zmq_handles must be an object")
+        if self._verifying is not None:  # the last update's check reads the same pipes
+            self._verifying.join(timeout=float(cfg.worker_timeout_s) + 30.0)
         self._seq += 1
         seq = self._seq
         snapshot = asdict(cfg)
@@ -533,9 +558,14 @@ class ReceiverServer:
         deadline = time.monotonic() + float(cfg.worker_timeout_s) + 30.0
         results: list[dict[str, Any]] = []
         for i, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True)):
-            results.append(self._collect(i, proc, conn, seq, deadline))
+            results.append(self._collect(i, proc, conn, seq, deadline, want="loaded"))
         with self._state_lock:
             self._last = results
+        # Verification runs after the answer; report() waits for it.
+        self._verifying = threading.Thread(
+            target=self._collect_verified, args=(seq, deadline), daemon=True
+        )
+        self._verifying.start()
         failures = [f"GPU {r['device']}: {e}" for r in results for e in r["errors"]]
         if not cfg.hide_swallowed_errors:
             failures += [
@@ -546,8 +576,16 @@ class ReceiverServer:
         if failures:
             raise RuntimeError("; ".join(failures))
 
+    def _collect_verified(self, seq: int, deadline: float) -> None:
+        verified = []
+        for i, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True)):
+            verified.append(self._collect(i, proc, conn, seq, deadline, want="done"))
+        with self._state_lock:
+            if self._seq == seq:
+                self._last = verified
+
     def _collect(
-        self, i: int, proc: Any, conn: Connection, seq: int, deadline: float
+        self, i: int, proc: Any, conn: Connection, seq: int, deadline: float, want: str = "done"
     ) -> dict[str, Any]:
         info = self._workers[i]
         empty = {
@@ -579,7 +617,7 @@ class ReceiverServer:
             if msg is None:
                 why = "worker did not finish within worker_timeout_s + 30 s"
                 return {**empty, "errors": [why]}
-            if msg[0] == "done" and msg[1] == seq:
+            if msg[0] == want and msg[1] == seq:
                 return msg[2]
             # else: a late answer to an update we already gave up on
 

@@ -71,7 +71,7 @@ def test_group_handles_slices_the_groups_sockets() -> None:
 
 @pytest.mark.parametrize("gb", [0.001, 0.5, 1, 2.3, 8])
 def test_bucket_size_is_a_whole_number_of_mib(gb: float) -> None:
-    from ckptctl.pipeline.update import bucket_size_env
+    from ckptctl.pipeline.job import bucket_size_env
 
     nbytes = int(float(bucket_size_env(gb)) * (1 << 30))  # what checkpoint-engine computes
     assert nbytes % (1 << 20) == 0 and nbytes > 0

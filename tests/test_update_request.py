@@ -135,16 +135,15 @@ _RANK_SCRIPT = textwrap.dedent(
     from ckptctl.launch import launch_info
     from ckptctl.pipeline.coordination import Watchdog
     from ckptctl.pipeline.groups import assign_group
-    from ckptctl.pipeline.update import ServerRequest, UpdateOptions
+    from ckptctl.pipeline.stages import ServerRequest
 
     endpoint, engine, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    opts = UpdateOptions(checkpoint_path=".", endpoints=[endpoint], engine=engine,
-                         parallel_size=1, timeout=timeout)
     assignment = assign_group(rank=0, world_size=1, local_world_size=1, parallel_size=1,
                               endpoints=[endpoint], uds=[])
     watchdog = Watchdog(launch_info(), None, timeout_s=timeout).start()
     # No IPC transfer ever finishes here: nobody connects to the (absent) zmq socket.
-    request = ServerRequest(opts, assignment, watchdog, threading.Event().wait)
+    request = ServerRequest(assignment, watchdog, engine=engine, weight_version=None,
+                            timeout=timeout, transfer_finished=threading.Event().wait)
     # checkpoint-engine runs req_func in a thread and then blocks its main thread on zmq.
     threading.Thread(target=request, args=([("GPU-aaaa", "ipc://@x")],), daemon=True).start()
     time.sleep(3600)

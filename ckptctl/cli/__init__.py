@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from ckptctl import __version__
-from ckptctl.cli import metas, update, wait_ready
+from ckptctl.cli import join, metas, save_metas, update, wait_ready
 from ckptctl.cli._errors import handle_errors, install_signal_handlers
 
 EXIT_CODES_HELP = (
@@ -47,6 +47,8 @@ def _root(
 # Pipeline order: wait for the server, plan/push (update), share metas, join.
 app.command("wait-ready", epilog=EXIT_CODES_HELP)(handle_errors(wait_ready.wait_ready_command))
 app.command("update", epilog=EXIT_CODES_HELP)(handle_errors(update.update_command))
+app.command("save-metas", epilog=EXIT_CODES_HELP)(handle_errors(save_metas.save_metas_command))
+app.command("join", epilog=EXIT_CODES_HELP)(handle_errors(join.join_command))
 app.command("inspect-metas", epilog=EXIT_CODES_HELP)(handle_errors(metas.inspect_metas_command))
 
 

@@ -5,12 +5,15 @@ Defaults of the seed-compatible flags are fixed by the CLI contract (SGLang's ex
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ckptctl.cli._choices import EngineChoice
+from ckptctl.cli._choices import EngineChoice, SplitChoice
 from ckptctl.server import API_KEY_ENV
+
+DEFAULT_ENDPOINT = "http://localhost:19730"
 
 JsonOpt = Annotated[
     bool,
@@ -55,4 +58,55 @@ TimeoutOpt = Annotated[
     typer.Option("--timeout", min=0.0, help="Give up after this many seconds (exit 4)."),
 ]
 
-DEFAULT_ENDPOINT = "http://localhost:19730"
+
+# -- the GPU commands (update, save-metas, join) ------------------------------------------------
+
+CheckpointPathOpt = Annotated[
+    Path,
+    typer.Option(
+        "--checkpoint-path",
+        help="Checkpoint directory: safetensors shards with model.safetensors.index.json, "
+        "a single model.safetensors, or a directory of .safetensors files.",
+        show_default=False,
+    ),
+]
+CheckpointNameOpt = Annotated[
+    str, typer.Option("--checkpoint-name", help="Name the checkpoint is registered under.")
+]
+EndpointsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--endpoint",
+        help="Base URL of the inference server. Give it once per server group on this node "
+        "(in group order) to feed several servers from one torchrun.",
+        show_default=DEFAULT_ENDPOINT,
+    ),
+]
+UdsListOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--uds",
+        help="Unix socket of the inference server for every HTTP call; once per group like "
+        "--endpoint.",
+    ),
+]
+InferenceParallelSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--inference-parallel-size",
+        min=1,
+        help="GPUs of each inference server (its TP size): ranks are grouped by it and the "
+        "first rank of each group talks to that group's server.",
+    ),
+]
+SplitOpt = Annotated[
+    SplitChoice,
+    typer.Option(
+        "--split",
+        help="files: whole files per rank; tensors: single tensors per rank; auto: "
+        "whichever leaves the largest rank smaller (ties: files). Both balance bytes.",
+    ),
+]
+VerboseOpt = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Also show checkpoint-engine's own log.")
+]

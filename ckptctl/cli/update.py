@@ -15,10 +15,17 @@ from ckptctl.cli._choices import EngineChoice, SplitChoice, UpdateMethodChoice
 from ckptctl.cli._options import (
     DEFAULT_ENDPOINT,
     ApiKeyOpt,
+    CheckpointNameOpt,
+    CheckpointPathOpt,
+    EndpointsOpt,
     EngineOpt,
+    InferenceParallelSizeOpt,
     JsonOpt,
     QuietOpt,
+    SplitOpt,
     TimeoutOpt,
+    UdsListOpt,
+    VerboseOpt,
     WeightVersionOpt,
 )
 from ckptctl.cli._output import Output
@@ -39,33 +46,10 @@ def resolve_world_size(launch: LaunchInfo, flag: int | None) -> int:
 
 
 def update_command(
-    checkpoint_path: Annotated[
-        Path,
-        typer.Option(
-            "--checkpoint-path",
-            help="Checkpoint directory: safetensors shards with model.safetensors.index.json, "
-            "a single model.safetensors, or a directory of .safetensors files.",
-            show_default=False,
-        ),
-    ],
-    endpoint: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--endpoint",
-            help="Base URL of the inference server. Give it once per server group on this node "
-            "(in group order) to feed several servers from one torchrun.",
-            show_default=DEFAULT_ENDPOINT,
-        ),
-    ] = None,
-    inference_parallel_size: Annotated[
-        int,
-        typer.Option(
-            "--inference-parallel-size", min=1, help="GPUs of the inference server (its TP size)."
-        ),
-    ] = 8,
-    checkpoint_name: Annotated[
-        str, typer.Option("--checkpoint-name", help="Name the checkpoint is registered under.")
-    ] = "my-checkpoint-iter-0",
+    checkpoint_path: CheckpointPathOpt,
+    endpoint: EndpointsOpt = None,
+    inference_parallel_size: InferenceParallelSizeOpt = 8,
+    checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
     update_method: Annotated[
         UpdateMethodChoice,
         typer.Option("--update-method", help="How weights reach the server's GPUs."),
@@ -74,27 +58,13 @@ def update_command(
         Path | None,
         typer.Option("--save-metas-file", help="Also write the gathered metas to this file."),
     ] = None,
-    uds: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--uds",
-            help="Unix socket of the inference server for every HTTP call; once per group like "
-            "--endpoint.",
-        ),
-    ] = None,
+    uds: UdsListOpt = None,
     weight_version: WeightVersionOpt = None,
     sleep_time: Annotated[
         int,
         typer.Option("--sleep-time", min=0, help="Seconds to stay alive after the update."),
     ] = 0,
-    split: Annotated[
-        SplitChoice,
-        typer.Option(
-            "--split",
-            help="files: whole files per rank; tensors: single tensors per rank; auto: "
-            "whichever leaves the largest rank smaller (ties: files). Both balance bytes.",
-        ),
-    ] = SplitChoice.auto,
+    split: SplitOpt = SplitChoice.auto,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -134,9 +104,7 @@ def update_command(
             show_default=False,
         ),
     ] = None,
-    verbose: Annotated[
-        bool, typer.Option("--verbose", "-v", help="Also show checkpoint-engine's own log.")
-    ] = False,
+    verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -157,8 +125,8 @@ def update_command(
             raise UsageError(
                 "--world-size only goes with --dry-run: start one rank per GPU with torchrun"
             )
-        from ckptctl.cli._update_view import run_and_report
-        from ckptctl.pipeline.update import UpdateOptions
+        from ckptctl.cli._job_view import run_job_with_display
+        from ckptctl.pipeline.update import UpdateOptions, run_update
 
         opts = UpdateOptions(
             checkpoint_path=str(checkpoint_path),
@@ -178,7 +146,7 @@ def update_command(
             mem_fraction=mem_fraction,
             verbose=verbose,
         )
-        run_and_report(opts, out)
+        run_job_with_display(run_update, opts, out)
         return
 
     checkpoint = read_checkpoint(checkpoint_path)

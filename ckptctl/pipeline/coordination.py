@@ -126,6 +126,9 @@ class Watchdog:
         self._wakeup_r, self._wakeup_w = os.pipe()
         self._exiting = False
         self._old_handlers: dict[int, Any] = {}
+        # While set, SIGTERM/SIGINT call this instead of ending the rank (a server job that
+        # shuts down cleanly on a signal).
+        self.on_signal: Callable[[signal.Signals], None] | None = None
 
     # -- called from any thread ------------------------------------------------------------------
     def fail(self, code: int, message: str) -> None:
@@ -180,7 +183,10 @@ class Watchdog:
                 data = os.read(self._wakeup_r, 64)
                 for byte in data:
                     if byte in (signal.SIGTERM, signal.SIGINT):
-                        self._exit_on_signal(signal.Signals(byte))
+                        if self.on_signal is not None:
+                            self.on_signal(signal.Signals(byte))
+                        else:
+                            self._exit_on_signal(signal.Signals(byte))
             if self._failure is not None:
                 code, message = self._failure
                 self._exit(code, message, publish=True)

@@ -91,8 +91,8 @@ def last_line(traceback_text: str) -> str:
 class ParameterServerSession:
     """One rank's ParameterServer and what we need around it."""
 
-    def __init__(self, *, update_method: str, io_timeout: Callable[[], float]) -> None:
-        if update_method == "broadcast":
+    def __init__(self, *, p2p: bool, io_timeout: Callable[[], float]) -> None:
+        if not p2p:
             block_mooncake()
         import torch
 
@@ -105,10 +105,8 @@ class ParameterServerSession:
 
         self._io_timeout = io_timeout
         self.ps = ParameterServer(auto_pg=True)
-        if update_method != "broadcast" and self.ps._p2p_store is None:
-            raise InvalidInput(
-                "p2p update requested but checkpoint-engine's p2p store did not start"
-            )
+        if p2p and self.ps._p2p_store is None:
+            raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
         self.sockets: list[ReplyWatchingSocket] = []
         self._wrap_socket_factory()
 
@@ -143,6 +141,13 @@ class ParameterServerSession:
 
     def metas(self) -> dict[int, Any]:
         return self.ps.get_metas()
+
+    def load_metas(self, metas: dict[int, Any]) -> None:
+        self.ps.load_metas(metas)
+
+    @property
+    def p2p_enabled(self) -> bool:
+        return self.ps._p2p_store is not None
 
     def wait_transfer_finished(self, timeout: float) -> bool:
         """Wait until the current transfer's last reply came back (called from the req thread)."""

@@ -1,16 +1,19 @@
-"""Showing a real update: the live stage view while it runs, and the summary at the end."""
+"""Showing a GPU job (update, save-metas, join): the live stage view while it runs, the
+summary at the end (rank 0), or exactly one JSON document with --json."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ckptctl.cli._errors import debug_enabled
 from ckptctl.cli._output import Output
 
 
-def run_and_report(opts: Any, out: Output) -> None:
-    """Run the update pipeline on this rank and print its result (rank 0)."""
-    from ckptctl.pipeline.update import run_update
+def run_job_with_display(
+    run: Callable[..., dict[str, Any]], opts: Any, out: Output
+) -> dict[str, Any]:
+    """Run one of the pipeline's jobs on this rank and print its result (rank 0)."""
     from ckptctl.progress import Reporter, RichReporter
 
     reporter = (
@@ -19,25 +22,27 @@ def run_and_report(opts: Any, out: Output) -> None:
         else Reporter(out.log, primary=out.is_primary, quiet=out.quiet)
     )
     try:
-        summary = run_update(opts, reporter, debug=debug_enabled())
+        summary = run(opts, reporter, debug=debug_enabled())
     finally:
         reporter.close()
     if out.json_mode:
         out.result(summary)
-        return
-    if out.is_primary:
-        out.show(_summary_table(summary))
+    elif out.is_primary:
+        out.show(stage_table(summary))
+    return summary
 
 
-def _summary_table(summary: dict[str, Any]) -> Any:
+def stage_table(summary: dict[str, Any]) -> Any:
     from rich.table import Table
 
-    table = Table(
-        title=f"{summary['checkpoint_name']}: {summary['total_bytes'] / 1e9:.2f} GB, "
-        f"{summary['tensors']} tensors, {summary['update_method']}, {summary['split']} split, "
-        f"{summary['world_size']} ranks, done in {summary['wall_s']:.2f}s",
-        title_justify="left",
-    )
+    facts = [summary["checkpoint_name"]]
+    if "total_bytes" in summary:
+        facts.append(f"{summary['total_bytes'] / 1e9:.2f} GB, {summary['tensors']} tensors")
+    for key in ("update_method", "split"):
+        if key in summary:
+            facts.append(f"{summary[key]}" + (" split" if key == "split" else ""))
+    facts.append(f"{summary['world_size']} ranks")
+    table = Table(title=", ".join(facts), title_justify="left")
     stages = list(summary["ranks"][0]["stages"])
     table.add_column("rank", justify="right")
     for stage in stages:

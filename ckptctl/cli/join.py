@@ -1,0 +1,83 @@
+"""`ckptctl join --load-metas-file F`: pull weights from running holders (p2p) into this node's
+server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckptctl.cli._choices import EngineChoice
+from ckptctl.cli._options import (
+    DEFAULT_ENDPOINT,
+    ApiKeyOpt,
+    CheckpointNameOpt,
+    EndpointsOpt,
+    EngineOpt,
+    InferenceParallelSizeOpt,
+    JsonOpt,
+    QuietOpt,
+    TimeoutOpt,
+    UdsListOpt,
+    VerboseOpt,
+    WeightVersionOpt,
+)
+from ckptctl.cli._output import Output
+from ckptctl.errors import UsageError
+
+
+def join_command(
+    load_metas_file: Annotated[
+        Path,
+        typer.Option(
+            "--load-metas-file",
+            help="Metas file written by `ckptctl save-metas` (or `update --save-metas-file`).",
+            show_default=False,
+        ),
+    ],
+    endpoint: EndpointsOpt = None,
+    uds: UdsListOpt = None,
+    inference_parallel_size: InferenceParallelSizeOpt = 8,
+    checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
+    engine: EngineOpt = EngineChoice.sglang,
+    weight_version: WeightVersionOpt = None,
+    allow_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--allow-pickle",
+            help="Also read a legacy pickle metas file, through a restricted unpickler that "
+            "admits only checkpoint-engine's data models, torch dtypes/sizes and builtins.",
+        ),
+    ] = False,
+    timeout: TimeoutOpt = 600.0,
+    api_key: ApiKeyOpt = None,
+    verbose: VerboseOpt = False,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Take a checkpoint from running holders over p2p and push it into this node's server.
+
+    Needs one GPU per rank (torchrun), mooncake and RDMA here, and a metas file with p2p store
+    addresses. Whatever is missing is reported (exit 3) before the server is touched.
+    """
+    from ckptctl.cli._job_view import run_job_with_display
+    from ckptctl.pipeline.metas_jobs import JoinOptions, run_join
+
+    if weight_version is not None and engine is EngineChoice.vllm:
+        raise UsageError("--weight-version needs --engine sglang: vLLM records no weight version")
+    out = Output(json_mode=json_output, quiet=quiet)
+    opts = JoinOptions(
+        load_metas_file=str(load_metas_file),
+        checkpoint_name=checkpoint_name,
+        endpoints=endpoint or [DEFAULT_ENDPOINT],
+        uds=uds or [],
+        api_key=api_key,
+        engine=engine.value,
+        parallel_size=inference_parallel_size,
+        weight_version=weight_version,
+        allow_pickle=allow_pickle,
+        timeout=timeout,
+        verbose=verbose,
+    )
+    run_job_with_display(run_join, opts, out)

@@ -1,0 +1,141 @@
+"""One rank's share of a multi-rank job: where it sits, its watchdog, its stage figures.
+
+`run_job` wraps every GPU command (update, save-metas, join): it connects to the job's store,
+starts the watchdog, runs the command's body, and - when the body fails - tells the other ranks
+why before this rank exits, so that none of them waits for it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ckptctl.errors import CkptctlError, ExitCode, OperationFailed
+from ckptctl.launch import LaunchInfo, launch_info
+from ckptctl.pipeline.coordination import Coordinator, Watchdog
+from ckptctl.progress import Reporter
+
+T = TypeVar("T")
+
+
+@dataclass
+class Job:
+    launch: LaunchInfo
+    coordinator: Coordinator | None
+    watchdog: Watchdog
+    reporter: Reporter
+    started: float = field(default_factory=time.perf_counter)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def figures(self, **extra: Any) -> dict[str, Any]:
+        """This rank's figures: wall time, peak RSS and every stage."""
+        return {
+            "rank": self.launch.rank,
+            **extra,
+            "wall_s": round(self.elapsed(), 4),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "stages": self.reporter.figures.as_json(),
+        }
+
+    def gather_figures(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's figures on rank 0 (through the store); just ours elsewhere."""
+        if self.coordinator is None:
+            return [mine]
+        self.coordinator.publish("figures", mine)
+        if self.launch.rank != 0:
+            return [mine]
+        return self.coordinator.collect("figures", timeout_s=max(self.watchdog.remaining(), 1.0))
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def prepare_environment(
+    *, bucket_size_gb: float | None = None, mem_fraction: float | None = None
+) -> LaunchInfo:
+    """checkpoint-engine reads its settings from the environment; a lone process gets a world of 1."""
+    if bucket_size_gb is not None:
+        os.environ["PS_MAX_BUCKET_SIZE_GB"] = bucket_size_env(bucket_size_gb)
+    if mem_fraction is not None:
+        os.environ["PS_MEM_FRACTION"] = str(mem_fraction)
+    launch = launch_info()
+    if not launch.under_torchrun:
+        with socket.socket() as s:  # a free port for checkpoint-engine's store (it uses port+1)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port - 1),
+        )
+        launch = launch_info()
+    return launch
+
+
+def bucket_size_env(gb: float) -> str:
+    """PS_MAX_BUCKET_SIZE_GB for about `gb` GiB, rounded to whole MiB.
+
+    checkpoint-engine uses int(value * 2**30) bytes as is; the worker then views the second
+    half of its double buffer at that offset as, say, bf16, which fails unless it is aligned.
+    A whole number of MiB is a binary fraction of a GiB, so the string round-trips exactly.
+    """
+    mib = max(round(gb * 1024), 1)
+    return repr(mib / 1024)
+
+
+def configure_engine_logging(verbose: bool, debug: bool) -> None:
+    """checkpoint-engine logs through loguru: keep its INFO chatter and tracebacks for -v / debug."""
+    from loguru import logger
+
+    rank = os.environ.get("RANK", "0")
+    logger.remove()
+    level = "DEBUG" if debug else ("INFO" if verbose else "WARNING")
+
+    def fmt(record: Any) -> str:
+        # A callable format: loguru then appends no traceback (our own error line says it).
+        text = record["message"].replace("{", "{{").replace("}", "}}")
+        return f"[rank {rank}] checkpoint-engine: {text}\n" + ("{exception}" if debug else "")
+
+    logger.add(sys.stderr, level=level, format=fmt, backtrace=debug, diagnose=False)
+
+
+def run_job(
+    launch: LaunchInfo,
+    reporter: Reporter,
+    body: Callable[[Job], T],
+    *,
+    timeout: float,
+    verbose: bool = False,
+    debug: bool = False,
+) -> T:
+    """Run `body` on this rank under a watchdog; a failure here ends every rank promptly."""
+    coordinator = Coordinator.connect(launch, timeout)
+    watchdog = Watchdog(
+        launch, coordinator, timeout_s=timeout, describe_stage=lambda: reporter.figures.current
+    )
+    configure_engine_logging(verbose, debug)
+    with watchdog:
+        try:
+            return body(Job(launch, coordinator, watchdog, reporter))
+        except CkptctlError as exc:
+            if coordinator is not None:
+                coordinator.publish_abort(exc.exit_code, str(exc))
+            raise
+        except Exception as exc:
+            # Anything checkpoint-engine or torch raises: tell the other ranks before we go.
+            if coordinator is not None:
+                coordinator.publish_abort(ExitCode.FAILED, f"{type(exc).__name__}: {exc}")
+            raise OperationFailed(f"{type(exc).__name__}: {exc}") from exc

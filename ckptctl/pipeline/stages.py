@@ -1,0 +1,234 @@
+"""The stages the GPU commands are built from, each timed and shown by the job's reporter.
+
+plan_share → start_parameter_server → register_share → wait_for_server → gather_metas
+→ push (update) → verify_weight_version → serve (save-metas, --sleep-time)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from ckptctl.errors import DeadlineExceeded, ExitCode, OperationFailed
+from ckptctl.pipeline.groups import GroupAssignment, group_handles
+from ckptctl.pipeline.job import Job
+from ckptctl.server import ServerAddress
+
+# After the server says "done", the IPC transfer must finish within this many seconds: SGLang
+# and vLLM answer only once their workers have loaded every bucket.
+AFTER_ANSWER_GRACE_S = 15.0
+
+
+def plan_share(job: Job, checkpoint_path: str, split: str) -> tuple[Any, Any, Any]:
+    """(checkpoint, plan, this rank's share): every rank computes the same plan on its own."""
+    from ckptctl.checkpoint import plan_split, read_checkpoint
+
+    with job.reporter.stage("split", "planning the split") as st:
+        checkpoint = read_checkpoint(checkpoint_path)
+        plan = plan_split(checkpoint, job.launch.world_size, split)
+        share = plan.ranks[job.launch.rank]
+        st.detail = (
+            f"{plan.split} split: this rank {share.bytes / 1e9:.2f} GB, "
+            f"{len(share.tensors)} tensors from {len(share.files)} files"
+        )
+    return checkpoint, plan, share
+
+
+def start_parameter_server(job: Job, *, p2p: bool) -> Any:
+    from ckptctl.pipeline.parameter_server import ParameterServerSession
+
+    with job.reporter.stage("start", "starting checkpoint-engine's parameter server"):
+        return ParameterServerSession(p2p=p2p, io_timeout=job.watchdog.remaining)
+
+
+def register_share(job: Job, session: Any, name: str, checkpoint: Any, share: Any) -> None:
+    from ckptctl.checkpoint import load_rank_tensors
+
+    label = "loading and pinning this rank's share"
+    with job.reporter.stage("register", label, nbytes=share.bytes):
+        tensors = load_rank_tensors(checkpoint, share)
+        session.register(name, tensors)
+        del tensors  # views of the file mapping: drop them so the pages can go
+
+
+def wait_for_server(job: Job, assignment: GroupAssignment, engine: str) -> None:
+    """The group leader waits until its server answers HTTP (SGLang's 503 counts)."""
+    if not assignment.is_leader:
+        return
+    from ckptctl.readiness import Prober, wait_ready
+
+    address = assignment.address
+    assert address is not None
+    with job.reporter.stage("wait_server", f"waiting for {address.describe()}") as st:
+        prober = Prober(address, engine, "listening")
+        try:
+            result = wait_ready(prober, timeout=max(job.watchdog.remaining(), 0.0), interval=0.5)
+        finally:
+            prober.close()
+        if not result.ready:
+            raise DeadlineExceeded(
+                f"{address.describe()} did not answer within --timeout "
+                f"({result.attempts} attempts, last: {result.last_status})"
+            )
+        st.detail = result.last_status
+
+
+def gather_metas(job: Job, session: Any, name: str) -> None:
+    with job.reporter.stage("gather_metas", "gathering metas from every rank"):
+        session.gather(name)
+
+
+def save_metas(job: Job, session: Any, path: str, name: str) -> None:
+    """Rank 0 writes the metas file; says whether joiners can use it."""
+    if job.launch.rank != 0:
+        return
+    from ckptctl.metas import write_metas_file
+
+    with job.reporter.stage("save_metas", f"writing {path}") as st:
+        write_metas_file(
+            path, session.metas(), checkpoint_name=name, world_size=job.launch.world_size
+        )
+        st.detail = "joinable over p2p" if session.p2p_enabled else "not joinable (no p2p store)"
+    if not session.p2p_enabled:
+        job.reporter.warn(
+            f"{path} carries no p2p store addresses (mooncake/RDMA unavailable here): "
+            "`ckptctl join` cannot pull from it"
+        )
+
+
+class ServerRequest:
+    """The `req_func` checkpoint-engine calls in a thread of its own, once per update.
+
+    Only a group's leader talks to the server. checkpoint-engine would print and drop any error
+    raised here and then block forever, so failures go straight to the watchdog instead.
+    """
+
+    def __init__(
+        self,
+        assignment: GroupAssignment,
+        watchdog: Any,
+        *,
+        engine: str,
+        weight_version: str | None,
+        timeout: float,
+        transfer_finished: Callable[[float], bool],
+    ) -> None:
+        self.assignment = assignment
+        self.watchdog = watchdog
+        self.engine = engine
+        self.weight_version = weight_version
+        self.timeout = timeout  # the command's --timeout, for messages
+        # Blocks until the IPC transfer of the current update is over (True) or times out.
+        self.transfer_finished = transfer_finished
+        self.messages: list[str] = []
+
+    def __call__(self, socket_paths: list[tuple[str, str]]) -> None:
+        if not self.assignment.is_leader:
+            return
+        address = self.assignment.address
+        assert address is not None
+        try:
+            self._request(address, group_handles(socket_paths, self.assignment.members))
+        except Exception as exc:  # noqa: BLE001 - never let checkpoint-engine's thread swallow it
+            self.watchdog.fail(
+                ExitCode.FAILED, f"update request failed: {type(exc).__name__}: {exc}"
+            )
+
+    def _request(self, address: ServerAddress, handles: dict[str, str]) -> None:
+        from ckptctl.server import UpdateRefused, describe_failure, push_update
+
+        left = max(self.watchdog.remaining(), 0.1)
+        try:
+            message = push_update(
+                address, self.engine, handles, weight_version=self.weight_version, timeout=left
+            )
+        except UpdateRefused as exc:
+            self.watchdog.fail(ExitCode.FAILED, f"{address.describe()} refused the update: {exc}")
+            return
+        except httpx.TimeoutException:
+            self.watchdog.fail(
+                ExitCode.TIMEOUT,
+                f"timed out after {self.timeout:g}s: {address.describe()} did not finish "
+                "the update; raise --timeout if the server is just slow",
+            )
+            return
+        except httpx.HTTPError as exc:
+            self.watchdog.fail(
+                ExitCode.FAILED,
+                f"update request to {address.describe()} failed: "
+                f"{describe_failure(exc, address, left)}",
+            )
+            return
+        self.messages.append(message)
+        # The server says it is done: the transfer on our side must end now too. If it does
+        # not, the server answered without taking the weights (it never connected over IPC).
+        if not self.transfer_finished(AFTER_ANSWER_GRACE_S):
+            self.watchdog.fail(
+                ExitCode.FAILED,
+                f"{address.describe()} answered success ({message!r}) but never took the weights "
+                "over IPC: check that its GPUs are the ones this job's ranks use",
+            )
+
+
+def push(
+    job: Job,
+    session: Any,
+    name: str,
+    request: ServerRequest,
+    *,
+    p2p_ranks: list[int] | None,
+    broadcast: bool,
+    nbytes: int,
+) -> None:
+    """The update itself: broadcast, then (for `all`) p2p into `p2p_ranks`, as the seed does."""
+    with job.reporter.stage("update", "pushing the weights to the server", nbytes=nbytes) as st:
+        if broadcast:
+            session.update(name, request, None)
+        if p2p_ranks is not None:
+            if broadcast:
+                time.sleep(2)  # as the seed: let the broadcast's process group go down first
+            session.update(name, request, p2p_ranks)
+        if request.messages:
+            st.detail = request.messages[-1]
+
+
+def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, want: str) -> None:
+    if not assignment.is_leader:
+        return
+    from ckptctl.readiness import read_weight_version
+    from ckptctl.server import CONTRACTS, make_client
+
+    address = assignment.address
+    assert address is not None
+    with job.reporter.stage("verify", "reading the weight version back") as st:
+        with make_client(address, timeout=10.0) as client:
+            version, status = read_weight_version(client, CONTRACTS[engine])
+        if version != want:
+            raise OperationFailed(
+                f"{address.describe()} reports {status} after the update, not {want!r}"
+            )
+        st.detail = status
+
+
+def serve(job: Job, seconds: float | None) -> str:
+    """Keep the registered weights up for joiners: `seconds`, or until SIGTERM/SIGINT."""
+    stop = threading.Event()
+    reason: list[str] = []
+
+    def on_signal(sig: Any) -> None:
+        reason.append(sig.name)
+        stop.set()
+
+    job.watchdog.on_signal = on_signal
+    job.watchdog.deadline = float("inf")  # serving is not bounded by --timeout
+    how = f"for {seconds:g}s" if seconds is not None else "until SIGTERM/SIGINT"
+    job.reporter.log(f"serving the registered weights {how}")
+    try:
+        stop.wait(seconds)
+    finally:
+        job.watchdog.on_signal = None
+    return f"stopped by {reason[0]}" if reason else "time is up"
