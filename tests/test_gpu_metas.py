@@ -131,7 +131,9 @@ def test_save_metas_serves_until_sigterm_then_unregisters(ckpt: Path, tmp_path: 
     ranks = [
         int(p.name)
         for p in Path("/proc").iterdir()
-        if p.name.isdigit() and b"ckptctl\0save-metas" in (p / "cmdline").read_bytes()
+        if p.name.isdigit()
+        and b"ckptctl\0save-metas" in (cmd := (p / "cmdline").read_bytes())
+        and b"torch.distributed.run" not in cmd  # the ranks, not torchrun itself
     ]
     assert ranks
     for pid in ranks:

@@ -10,7 +10,11 @@ import typer
 
 from ckptctl import __version__
 from ckptctl.cli import join, metas, save_metas, update, wait_ready
-from ckptctl.cli._errors import handle_errors, install_signal_handlers
+from ckptctl.cli._errors import (
+    handle_errors,
+    install_signal_handlers,
+    restore_default_signal_handlers,
+)
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 success · 1 operation failed · 2 usage error · "
@@ -55,4 +59,9 @@ app.command("inspect-metas", epilog=EXIT_CODES_HELP)(handle_errors(metas.inspect
 def main() -> None:
     """Console-script entry point (`ckptctl`, `python -m ckptctl`, `torchrun -m ckptctl`)."""
     install_signal_handlers()
-    app(prog_name="ckptctl")
+    try:
+        app(prog_name="ckptctl")
+    finally:
+        # The command is over: a late signal (torchrun tearing down) just ends the process,
+        # rather than raising into interpreter shutdown.
+        restore_default_signal_handlers()

@@ -33,6 +33,12 @@ def install_signal_handlers() -> None:
         signal.signal(signal.SIGTERM, _raise_interrupted)
 
 
+def restore_default_signal_handlers() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(ValueError):
+            signal.signal(sig, signal.SIG_DFL)
+
+
 def handle_errors(func: F) -> F:
     """Wrap a command: CkptctlError → one stderr line + its exit code; bugs → exit 1."""
 
