@@ -13,9 +13,10 @@ from typing import Any, Literal
 
 import httpx
 
+from ckptctl.defaults import API_KEY_ENV, DEFAULT_ENDPOINT
+
 Engine = Literal["sglang", "vllm"]
 ENGINES: tuple[Engine, ...] = ("sglang", "vllm")
-API_KEY_ENV = "CKPTCTL_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ CONTRACTS: dict[str, EngineContract] = {
 
 @dataclass(frozen=True)
 class ServerAddress:
-    endpoint: str = "http://localhost:19730"
+    endpoint: str = DEFAULT_ENDPOINT
     uds: str | None = None
     api_key: str | None = None  # sent as a Bearer token; never printed
 

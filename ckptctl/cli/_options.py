@@ -11,9 +11,7 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli._choices import EngineChoice, SplitChoice
-from ckptctl.server import API_KEY_ENV
-
-DEFAULT_ENDPOINT = "http://localhost:19730"
+from ckptctl.defaults import API_KEY_ENV, DEFAULT_ENDPOINT
 
 JsonOpt = Annotated[
     bool,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptctl.defaults import DEFAULT_ENDPOINT
 from ckptctl.errors import InvalidInput
 from ckptctl.pipeline import stages
 from ckptctl.pipeline.groups import assign_group
@@ -72,7 +73,7 @@ def run_save_metas(
 class JoinOptions:
     load_metas_file: str
     checkpoint_name: str = "my-checkpoint-iter-0"
-    endpoints: list[str] = field(default_factory=lambda: ["http://localhost:19730"])
+    endpoints: list[str] = field(default_factory=lambda: [DEFAULT_ENDPOINT])
     uds: list[str] = field(default_factory=list)
     api_key: str | None = None
     engine: str = "sglang"

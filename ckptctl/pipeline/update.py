@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptctl.defaults import DEFAULT_ENDPOINT
 from ckptctl.errors import InvalidInput, UsageError
 from ckptctl.pipeline import stages
 from ckptctl.pipeline.groups import assign_group
@@ -21,7 +22,7 @@ from ckptctl.progress import Reporter
 class UpdateOptions:
     checkpoint_path: str
     checkpoint_name: str = "my-checkpoint-iter-0"
-    endpoints: list[str] = field(default_factory=lambda: ["http://localhost:19730"])
+    endpoints: list[str] = field(default_factory=lambda: [DEFAULT_ENDPOINT])
     uds: list[str] = field(default_factory=list)
     api_key: str | None = None
     engine: str = "sglang"

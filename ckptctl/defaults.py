@@ -1,0 +1,4 @@
+"""Names and defaults shared by the CLI and the library (no imports: the CLI starts fast)."""
+
+DEFAULT_ENDPOINT = "http://localhost:19730"  # the seed script's default
+API_KEY_ENV = "CKPTCTL_API_KEY"  # where --api-key is read from when not given
