@@ -11,29 +11,17 @@ Spec = tuple[str, str, tuple[int, ...]]  # (name, safetensors dtype, shape)
 def qwen3_8b() -> Iterator[Spec]:
     """Qwen3-8B: 36 layers, hidden 4096, 32 heads / 8 KV heads of 128, intermediate 12288,
     vocab 151936, untied lm_head. 399 tensors, 16.38 GB in bf16."""
-    hidden, inter, vocab, head_dim, heads, kv_heads = 4096, 12288, 151936, 128, 32, 8
-    yield "model.embed_tokens.weight", "BF16", (vocab, hidden)
-    for i in range(36):
-        p = f"model.layers.{i}"
-        yield f"{p}.self_attn.q_proj.weight", "BF16", (heads * head_dim, hidden)
-        yield f"{p}.self_attn.k_proj.weight", "BF16", (kv_heads * head_dim, hidden)
-        yield f"{p}.self_attn.v_proj.weight", "BF16", (kv_heads * head_dim, hidden)
-        yield f"{p}.self_attn.o_proj.weight", "BF16", (hidden, heads * head_dim)
-        yield f"{p}.self_attn.q_norm.weight", "BF16", (head_dim,)
-        yield f"{p}.self_attn.k_norm.weight", "BF16", (head_dim,)
-        yield f"{p}.mlp.gate_proj.weight", "BF16", (inter, hidden)
-        yield f"{p}.mlp.up_proj.weight", "BF16", (inter, hidden)
-        yield f"{p}.mlp.down_proj.weight", "BF16", (hidden, inter)
-        yield f"{p}.input_layernorm.weight", "BF16", (hidden,)
-        yield f"{p}.post_attention_layernorm.weight", "BF16", (hidden,)
-    yield "model.norm.weight", "BF16", (hidden,)
-    yield "lm_head.weight", "BF16", (vocab, hidden)
+    return _qwen3(hidden=4096, inter=12288, tied=False)
 
 
 def qwen3_4b() -> Iterator[Spec]:
     """Qwen3-4B: 36 layers, hidden 2560, 32 heads / 8 KV heads of 128, intermediate 9728,
     vocab 151936, tied embeddings (no lm_head). 398 tensors, 8.04 GB in bf16."""
-    hidden, inter, vocab, head_dim, heads, kv_heads = 2560, 9728, 151936, 128, 32, 8
+    return _qwen3(hidden=2560, inter=9728, tied=True)
+
+
+def _qwen3(*, hidden: int, inter: int, tied: bool) -> Iterator[Spec]:
+    vocab, head_dim, heads, kv_heads = 151936, 128, 32, 8
     yield "model.embed_tokens.weight", "BF16", (vocab, hidden)
     for i in range(36):
         p = f"model.layers.{i}"
@@ -49,6 +37,8 @@ def qwen3_4b() -> Iterator[Spec]:
         yield f"{p}.input_layernorm.weight", "BF16", (hidden,)
         yield f"{p}.post_attention_layernorm.weight", "BF16", (hidden,)
     yield "model.norm.weight", "BF16", (hidden,)
+    if not tied:
+        yield "lm_head.weight", "BF16", (vocab, hidden)
 
 
 def _fp8_linear(name: str, out_dim: int, in_dim: int) -> Iterator[Spec]:

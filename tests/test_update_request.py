@@ -134,7 +134,7 @@ _RANK_SCRIPT = textwrap.dedent(
     import sys, threading, time
     from ckptctl.launch import launch_info
     from ckptctl.pipeline.coordination import Watchdog
-    from ckptctl.pipeline.groups import assign_group
+    from ckptctl.pipeline.groups import ServerTargets, assign_group
     from ckptctl.pipeline.stages import ServerRequest
 
     endpoint, engine, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
@@ -142,7 +142,7 @@ _RANK_SCRIPT = textwrap.dedent(
                               endpoints=[endpoint], uds=[])
     watchdog = Watchdog(launch_info(), None, timeout_s=timeout).start()
     # No IPC transfer ever finishes here: nobody connects to the (absent) zmq socket.
-    request = ServerRequest(assignment, watchdog, engine=engine, weight_version=None,
+    request = ServerRequest(assignment, ServerTargets(engine=engine), watchdog,
                             timeout=timeout, transfer_finished=threading.Event().wait)
     # checkpoint-engine runs req_func in a thread and then blocks its main thread on zmq.
     threading.Thread(target=request, args=([("GPU-aaaa", "ipc://@x")],), daemon=True).start()

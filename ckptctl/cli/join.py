@@ -10,7 +10,6 @@ import typer
 
 from ckptctl.cli._choices import EngineChoice
 from ckptctl.cli._options import (
-    DEFAULT_ENDPOINT,
     ApiKeyOpt,
     CheckpointNameOpt,
     EndpointsOpt,
@@ -24,7 +23,6 @@ from ckptctl.cli._options import (
     WeightVersionOpt,
 )
 from ckptctl.cli._output import Output
-from ckptctl.errors import UsageError
 
 
 def join_command(
@@ -62,20 +60,21 @@ def join_command(
     addresses. Whatever is missing is reported (exit 3) before the server is touched.
     """
     from ckptctl.cli._job_view import run_job_with_display
+    from ckptctl.pipeline.groups import ServerTargets
     from ckptctl.pipeline.metas_jobs import JoinOptions, run_join
 
-    if weight_version is not None and engine is EngineChoice.vllm:
-        raise UsageError("--weight-version needs --engine sglang: vLLM records no weight version")
     out = Output(json_mode=json_output, quiet=quiet)
     opts = JoinOptions(
         load_metas_file=str(load_metas_file),
         checkpoint_name=checkpoint_name,
-        endpoints=endpoint or [DEFAULT_ENDPOINT],
-        uds=uds or [],
-        api_key=api_key,
-        engine=engine.value,
-        parallel_size=inference_parallel_size,
-        weight_version=weight_version,
+        servers=ServerTargets.from_flags(
+            endpoints=endpoint,
+            uds=uds,
+            api_key=api_key,
+            engine=engine.value,
+            parallel_size=inference_parallel_size,
+            weight_version=weight_version,
+        ),
         allow_pickle=allow_pickle,
         timeout=timeout,
         verbose=verbose,

@@ -13,7 +13,6 @@ import typer
 
 from ckptctl.cli._choices import EngineChoice, SplitChoice, UpdateMethodChoice
 from ckptctl.cli._options import (
-    DEFAULT_ENDPOINT,
     ApiKeyOpt,
     CheckpointNameOpt,
     CheckpointPathOpt,
@@ -126,19 +125,22 @@ def update_command(
                 "--world-size only goes with --dry-run: start one rank per GPU with torchrun"
             )
         from ckptctl.cli._job_view import run_job_with_display
+        from ckptctl.pipeline.groups import ServerTargets
         from ckptctl.pipeline.update import UpdateOptions, run_update
 
         opts = UpdateOptions(
             checkpoint_path=str(checkpoint_path),
             checkpoint_name=checkpoint_name,
-            endpoints=endpoint or [DEFAULT_ENDPOINT],
-            uds=uds or [],
-            api_key=api_key,
-            engine=engine.value,
-            parallel_size=inference_parallel_size,
+            servers=ServerTargets.from_flags(
+                endpoints=endpoint,
+                uds=uds,
+                api_key=api_key,
+                engine=engine.value,
+                parallel_size=inference_parallel_size,
+                weight_version=weight_version,
+            ),
             update_method=update_method.value,
             split=split.value,
-            weight_version=weight_version,
             save_metas_file=str(save_metas_file) if save_metas_file else None,
             sleep_time=float(sleep_time),
             timeout=timeout,

@@ -74,7 +74,7 @@ def _admitted_globals() -> dict[tuple[str, str], Any]:
     # Protocols 0-1 rebuild an instance with copyreg._reconstructor(cls, object, None), and
     # protocols 0-3 pickle a set (pydantic's fields-set) by calling set(); 0-2 use the
     # Python 2 module names.
-    admitted[("copy_reg", "_reconstructor")] = copyreg._reconstructor
+    admitted[("copy_reg", "_reconstructor")] = copyreg._reconstructor  # type: ignore[attr-defined]
     admitted[("__builtin__", "object")] = object
     admitted[("__builtin__", "set")] = set
     admitted[("builtins", "set")] = set
@@ -135,7 +135,7 @@ def _scan(data: bytes, source: str) -> None:
                 if opcode.name in _MEMO_STORES:
                     # A pickler numbers its memo 0, 1, 2, ...; the C unpickler sizes its memo
                     # array to the index, so one PUT of index 2**30 would allocate gigabytes.
-                    if opcode.name != "MEMOIZE" and arg > stores:
+                    if opcode.name != "MEMOIZE" and isinstance(arg, int) and arg > stores:
                         raise InvalidInput(f"{source}: not a metas pickle (memo index {arg})")
                     stores += 1
         except ValueError as exc:

@@ -8,9 +8,12 @@ the group's server. Several servers may run on one node (four TP2 servers on eig
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ckptctl.defaults import DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
+from ckptctl.launch import LaunchInfo
 from ckptctl.server import ServerAddress
 
 
@@ -74,3 +77,50 @@ def assign_group(
 def group_handles(socket_paths: list[tuple[str, str]], members: tuple[int, ...]) -> dict[str, str]:
     """checkpoint-engine gives (device uuid, zmq path) for every rank, in rank order."""
     return dict(socket_paths[members[0] : members[-1] + 1])
+
+
+@dataclass(frozen=True)
+class ServerTargets:
+    """The inference servers a job feeds (update, join): the flags they share."""
+
+    endpoints: tuple[str, ...] = (DEFAULT_ENDPOINT,)
+    uds: tuple[str, ...] = ()
+    api_key: str | None = None
+    engine: str = "sglang"
+    parallel_size: int = 8
+    weight_version: str | None = None
+
+    @classmethod
+    def from_flags(
+        cls,
+        *,
+        endpoints: Sequence[str] | None,
+        uds: Sequence[str] | None,
+        api_key: str | None,
+        engine: str,
+        parallel_size: int,
+        weight_version: str | None,
+    ) -> ServerTargets:
+        if weight_version is not None and engine == "vllm":
+            raise UsageError(
+                "--weight-version needs --engine sglang: vLLM records no weight version"
+            )
+        return cls(
+            tuple(endpoints or (DEFAULT_ENDPOINT,)),
+            tuple(uds or ()),
+            api_key,
+            engine,
+            parallel_size,
+            weight_version,
+        )
+
+    def assign(self, launch: LaunchInfo) -> GroupAssignment:
+        return assign_group(
+            rank=launch.rank,
+            world_size=launch.world_size,
+            local_world_size=launch.local_world_size,
+            parallel_size=self.parallel_size,
+            endpoints=list(self.endpoints),
+            uds=list(self.uds),
+            api_key=self.api_key,
+        )

@@ -14,10 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptctl.defaults import DEFAULT_ENDPOINT
 from ckptctl.errors import InvalidInput
 from ckptctl.pipeline import stages
-from ckptctl.pipeline.groups import assign_group
+from ckptctl.pipeline.groups import ServerTargets
 from ckptctl.pipeline.job import Job, prepare_environment, run_job
 from ckptctl.progress import Reporter
 
@@ -73,12 +72,7 @@ def run_save_metas(
 class JoinOptions:
     load_metas_file: str
     checkpoint_name: str = "my-checkpoint-iter-0"
-    endpoints: list[str] = field(default_factory=lambda: [DEFAULT_ENDPOINT])
-    uds: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    engine: str = "sglang"
-    parallel_size: int = 8
-    weight_version: str | None = None
+    servers: ServerTargets = field(default_factory=ServerTargets)
     allow_pickle: bool = False
     timeout: float = 600.0
     verbose: bool = False
@@ -106,26 +100,18 @@ def run_join(opts: JoinOptions, reporter: Reporter, *, debug: bool = False) -> d
     if missing:
         raise InvalidInput(f"join pulls weights over p2p, which cannot start here: {missing}")
     launch = prepare_environment()
-    assignment = assign_group(
-        rank=launch.rank,
-        world_size=launch.world_size,
-        local_world_size=launch.local_world_size,
-        parallel_size=opts.parallel_size,
-        endpoints=opts.endpoints,
-        uds=opts.uds,
-        api_key=opts.api_key,
-    )
+    servers = opts.servers
+    assignment = servers.assign(launch)
 
     def body(job: Job) -> dict[str, Any]:
         session = stages.start_parameter_server(job, p2p=True)
-        stages.wait_for_server(job, assignment, opts.engine)
+        stages.wait_for_server(job, assignment, servers.engine)
         stages.gather_metas(job, session, opts.checkpoint_name)  # our own pool is empty
         session.load_metas(metas_file.metas)
         request = stages.ServerRequest(
             assignment,
+            servers,
             job.watchdog,
-            engine=opts.engine,
-            weight_version=opts.weight_version,
             timeout=opts.timeout,
             transfer_finished=session.wait_transfer_finished,
         )
@@ -140,11 +126,11 @@ def run_join(opts: JoinOptions, reporter: Reporter, *, debug: bool = False) -> d
             opts.checkpoint_name,
             request,
             broadcast=False,
-            p2p_ranks=list(range(opts.parallel_size)),
+            p2p_ranks=list(range(servers.parallel_size)),
             nbytes=nbytes,
         )
-        if opts.weight_version is not None:
-            stages.verify_weight_version(job, assignment, opts.engine, opts.weight_version)
+        if servers.weight_version is not None:
+            stages.verify_weight_version(job, assignment, servers.engine, servers.weight_version)
         return {
             "ok": True,
             "metas_file": opts.load_metas_file,

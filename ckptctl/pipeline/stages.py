@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from ckptctl.errors import DeadlineExceeded, ExitCode, OperationFailed
-from ckptctl.pipeline.groups import GroupAssignment, group_handles
+from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
 from ckptctl.server import ServerAddress
 
@@ -29,7 +29,7 @@ def plan_share(job: Job, checkpoint_path: str, split: str) -> tuple[Any, Any, An
 
     with job.reporter.stage("split", "planning the split") as st:
         checkpoint = read_checkpoint(checkpoint_path)
-        plan = plan_split(checkpoint, job.launch.world_size, split)
+        plan = plan_split(checkpoint, job.launch.world_size, split)  # type: ignore[arg-type]
         share = plan.ranks[job.launch.rank]
         st.detail = (
             f"{plan.split} split: this rank {share.bytes / 1e9:.2f} GB, "
@@ -110,17 +110,16 @@ class ServerRequest:
     def __init__(
         self,
         assignment: GroupAssignment,
+        servers: ServerTargets,
         watchdog: Any,
         *,
-        engine: str,
-        weight_version: str | None,
         timeout: float,
         transfer_finished: Callable[[float], bool],
     ) -> None:
         self.assignment = assignment
+        self.engine = servers.engine
+        self.weight_version = servers.weight_version
         self.watchdog = watchdog
-        self.engine = engine
-        self.weight_version = weight_version
         self.timeout = timeout  # the command's --timeout, for messages
         # Blocks until the IPC transfer of the current update is over (True) or times out.
         self.transfer_finished = transfer_finished
