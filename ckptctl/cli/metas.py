@@ -84,7 +84,7 @@ def _checkpoint_tensors(path: Path) -> list[CheckpointTensor]:
     from ckptctl.metas import CheckpointTensor
 
     try:
-        from ckptctl.checkpoint import read_checkpoint  # type: ignore[import-not-found]
+        from ckptctl.checkpoint import read_checkpoint
     except ImportError:
         return _header_tensors(path)
     return [

@@ -77,7 +77,7 @@ def wait_ready_command(
         else contextlib.nullcontext()
     )
 
-    def on_attempt(probe, attempts: int, elapsed: float) -> None:  # type: ignore[no-untyped-def]
+    def on_attempt(probe, attempts: int, elapsed: float) -> None:
         if status_ctx is not None and out.interactive:
             status_ctx.update(  # type: ignore[union-attr]
                 f"waiting for {address.describe()} to be {goal} · {elapsed:.1f}s · "
@@ -88,7 +88,7 @@ def wait_ready_command(
             out.log(f"{elapsed:6.1f}s  {probe.status}")
         last_status.append(probe.status)
 
-    prober = Prober(address, engine.value, for_.value, weight_version)  # type: ignore[arg-type]
+    prober = Prober(address, engine.value, for_.value, weight_version)
     try:
         with status_ctx:
             result = wait_ready(

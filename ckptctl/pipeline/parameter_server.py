@@ -125,7 +125,7 @@ class ParameterServerSession:
             self.sockets.append(watched)
             return watched, paths
 
-        self.ps._bind_zmq_socket = bind_watched  # type: ignore[method-assign]
+        self.ps._bind_zmq_socket = bind_watched
 
     @property
     def device_uuid(self) -> str:
