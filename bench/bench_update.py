@@ -215,6 +215,11 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--extra", default="", help="more flags for ckptctl update")
+    parser.add_argument(
+        "--register-modes",
+        default="engine",
+        help="comma-separated --register-mode values to run side by side (engine,direct)",
+    )
     args = parser.parse_args()
 
     import torch
@@ -234,17 +239,20 @@ def main() -> None:
     receiver, endpoint = start_receiver(ckpt, args.tp)
     runs = []
     try:
-        for i in range(args.runs):
-            if i == 0 and limits["cold_read_gb_s"] is not None:
-                read_bandwidth(shards, cold=True)  # the first run starts from a cold cache
-            run = run_update(ckpt, args.tp, endpoint, args.extra.split())
-            rep = report(endpoint)
-            run["cache"] = "cold" if i == 0 and limits["cold_read_gb_s"] is not None else "warm"
-            run["bit_exact"] = bool(rep["ok"]) and all(
-                not w["mismatches"] and not w["missing"] and w["tensors_received"] == n_tensors
-                for w in rep["workers"]
-            )
-            runs.append(run)
+        for mode in args.register_modes.split(","):
+            for i in range(args.runs):
+                if i == 0 and limits["cold_read_gb_s"] is not None:
+                    read_bandwidth(shards, cold=True)  # the first run starts from a cold cache
+                extra = [*args.extra.split(), "--register-mode", mode]
+                run = run_update(ckpt, args.tp, endpoint, extra)
+                rep = report(endpoint)
+                run["register_mode"] = mode
+                run["cache"] = "cold" if i == 0 and limits["cold_read_gb_s"] is not None else "warm"
+                run["bit_exact"] = bool(rep["ok"]) and all(
+                    not w["mismatches"] and not w["missing"] and w["tensors_received"] == n_tensors
+                    for w in rep["workers"]
+                )
+                runs.append(run)
     finally:
         receiver.terminate()
         receiver.wait(timeout=60)
@@ -260,6 +268,7 @@ def main() -> None:
         "limits": limits,
         "runs": runs,
         "command": f"python bench/bench_update.py --model {args.model} --tp {args.tp} --runs {args.runs}"
+        f" --register-modes {args.register_modes}"
         + (f" --extra '{args.extra}'" if args.extra else ""),
     }
     out = Path(args.out)
@@ -284,9 +293,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"read (one `cat`) cold {_f(lim['cold_read_gb_s'])} / warm {_f(lim['warm_read_gb_s'])} GB/s, "
         f"bare torchrun + import torch + NCCL group {lim['bare_torchrun_import_torch_nccl_s']:.2f} s.",
         "",
-        "| run | cache | torchrun wall s | start s | register s (GB/s, all ranks) | gather s | "
+        "| run | register mode | cache | torchrun wall s | start s | register s (GB/s, all ranks) | gather s | "
         "update s (GB/s per GPU) | peak RSS per rank GB | bit-exact |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for i, run in enumerate(doc["runs"]):
         ranks = run["summary"]["ranks"]
@@ -298,7 +307,7 @@ def markdown(doc: dict[str, Any]) -> str:
         reg_rate = doc["total_bytes"] / reg_s / 1e9 if reg_s else 0.0
         upd_s = stage("update")
         lines.append(
-            f"| {i + 1} | {run['cache']} | {run['torchrun_wall_s']:.2f} | {stage('start'):.2f} | "
+            f"| {i + 1} | {run.get('register_mode', 'engine')} | {run['cache']} | {run['torchrun_wall_s']:.2f} | {stage('start'):.2f} | "
             f"{reg_s:.2f} ({reg_rate:.1f}) | {stage('gather_metas'):.2f} | "
             f"{upd_s:.2f} ({doc['total_bytes'] / upd_s / 1e9 if upd_s else 0:.1f}) | "
             f"{max(r['peak_rss_bytes'] for r in ranks) / 1e9:.1f} | {run['bit_exact']} |"

@@ -181,12 +181,14 @@ def _summary(out: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("layout", "split", "profile", "uds"),
+    ("layout", "split", "profile", "uds", "register_mode"),
     [
-        ("sharded", "tensors", "sglang-0.5.23", False),
-        ("sharded", "files", "sglang-0.5.4", False),
-        ("single", "auto", "sglang-0.5.14", True),
-        ("sharded", "tensors", "vllm", True),
+        ("sharded", "tensors", "sglang-0.5.23", False, "engine"),
+        ("sharded", "files", "sglang-0.5.4", False, "engine"),
+        ("single", "auto", "sglang-0.5.14", True, "engine"),
+        ("sharded", "tensors", "vllm", True, "engine"),
+        ("sharded", "tensors", "sglang-0.5.23", False, "direct"),
+        ("single", "files", "sglang-0.5.23", True, "direct"),
     ],
 )
 def test_tp1(
@@ -194,6 +196,7 @@ def test_tp1(
     split: str,
     profile: str,
     uds: bool,
+    register_mode: str,
     request: pytest.FixtureRequest,
     short_tmp: Path,
 ) -> None:
@@ -215,6 +218,8 @@ def test_tp1(
             "120",
             "--bucket-size-gb",
             "0.001",
+            "--register-mode",
+            register_mode,
         ]
         args += (
             ["--uds", sock, "--endpoint", "http://localhost"]
@@ -228,11 +233,12 @@ def test_tp1(
         summary = _summary(out)
         report = _assert_bit_exact(rx, ckpt)
     assert summary["ok"] and summary["split"] in ("files", "tensors")
+    assert summary["ranks"][0]["stages"]["register"]["detail"] == f"{register_mode} registration"
     if engine == "sglang":
         assert report["weight_version"] == f"v-{layout}-{split}"
         assert "verify" in summary["ranks"][0]["stages"]
     _record(
-        f"tp1-{layout}-{split}-{profile}-{'uds' if uds else 'tcp'}",
+        f"tp1-{layout}-{split}-{profile}-{'uds' if uds else 'tcp'}-{register_mode}",
         {"wall_s": took, "summary": summary},
     )
 

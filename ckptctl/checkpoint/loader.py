@@ -62,7 +62,7 @@ def torch_dtype(dtype: str) -> torch.dtype | None:
     return getattr(torch, attr, None) if attr else None
 
 
-def _torch_layout(t: TensorInfo) -> tuple[torch.dtype, tuple[int, ...]]:
+def torch_layout(t: TensorInfo) -> tuple[torch.dtype, tuple[int, ...]]:
     dtype = torch_dtype(t.dtype)
     shape = t.shape
     if dtype is not None and t.dtype == "F4":
@@ -109,7 +109,7 @@ def load_tensors(checkpoint: Checkpoint, tensors: Iterable[TensorInfo]) -> dict[
     maps: dict[str, mmap.mmap] = {}
     out: dict[str, torch.Tensor] = {}
     for t in tensors:
-        dtype, shape = _torch_layout(t)
+        dtype, shape = torch_layout(t)
         if t.nbytes == 0:
             out[t.name] = torch.empty(shape, dtype=dtype)  # no bytes to map (a 0 in the shape)
             continue

@@ -25,3 +25,8 @@ class UpdateMethodChoice(str, Enum):
     broadcast = "broadcast"
     p2p = "p2p"
     all = "all"
+
+
+class RegisterModeChoice(str, Enum):
+    engine = "engine"
+    direct = "direct"

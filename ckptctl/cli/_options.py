@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli._choices import EngineChoice, SplitChoice
+from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
 from ckptctl.defaults import API_KEY_ENV, DEFAULT_ENDPOINT
 
 JsonOpt = Annotated[
@@ -107,4 +107,13 @@ SplitOpt = Annotated[
 ]
 VerboseOpt = Annotated[
     bool, typer.Option("--verbose", "-v", help="Also show checkpoint-engine's own log.")
+]
+RegisterModeOpt = Annotated[
+    RegisterModeChoice,
+    typer.Option(
+        "--register-mode",
+        help="How each rank's share reaches pinned memory. engine: checkpoint-engine copies it "
+        "from the file mapping into buffers it allocates; direct: read straight into buffers "
+        "pinned in place (less host memory; experimental).",
+    ),
 ]

@@ -7,12 +7,13 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli._choices import SplitChoice
+from ckptctl.cli._choices import RegisterModeChoice, SplitChoice
 from ckptctl.cli._options import (
     CheckpointNameOpt,
     CheckpointPathOpt,
     JsonOpt,
     QuietOpt,
+    RegisterModeOpt,
     SplitOpt,
     TimeoutOpt,
     VerboseOpt,
@@ -44,6 +45,7 @@ def save_metas_command(
         ),
     ] = None,
     timeout: TimeoutOpt = 600.0,
+    register_mode: RegisterModeOpt = RegisterModeChoice.engine,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -66,6 +68,7 @@ def save_metas_command(
         split=split.value,
         sleep_time=sleep_time,
         timeout=timeout,
+        register_mode=register_mode.value,
         verbose=verbose,
     )
     run_job_with_display(run_save_metas, opts, out)

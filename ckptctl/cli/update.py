@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli._choices import EngineChoice, SplitChoice, UpdateMethodChoice
+from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice, UpdateMethodChoice
 from ckptctl.cli._options import (
     ApiKeyOpt,
     CheckpointNameOpt,
@@ -21,6 +21,7 @@ from ckptctl.cli._options import (
     InferenceParallelSizeOpt,
     JsonOpt,
     QuietOpt,
+    RegisterModeOpt,
     SplitOpt,
     TimeoutOpt,
     UdsListOpt,
@@ -103,6 +104,7 @@ def update_command(
             show_default=False,
         ),
     ] = None,
+    register_mode: RegisterModeOpt = RegisterModeChoice.engine,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -146,6 +148,7 @@ def update_command(
             timeout=timeout,
             bucket_size_gb=bucket_size_gb,
             mem_fraction=mem_fraction,
+            register_mode=register_mode.value,
             verbose=verbose,
         )
         run_job_with_display(run_update, opts, out)

@@ -29,6 +29,7 @@ class SaveMetasOptions:
     split: str = "auto"
     sleep_time: float | None = None  # None: until SIGTERM/SIGINT
     timeout: float = 600.0
+    register_mode: str = "engine"
     verbose: bool = False
 
 
@@ -43,7 +44,9 @@ def run_save_metas(
     def body(job: Job) -> dict[str, Any]:
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split)
         session = stages.start_parameter_server(job, p2p=missing is None)
-        stages.register_share(job, session, opts.checkpoint_name, checkpoint, share)
+        stages.register_share(
+            job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode
+        )
         stages.gather_metas(job, session, opts.checkpoint_name)
         stages.save_metas(job, session, opts.metas_file, opts.checkpoint_name)
         ranks = job.gather_figures(job.figures())

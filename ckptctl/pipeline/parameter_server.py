@@ -136,6 +136,20 @@ class ParameterServerSession:
             # named_tensors, never files=: see the module docstring (/dev/shm files get deleted).
             self.ps.register_checkpoint(name, named_tensors=named_tensors)
 
+    def register_buffers(self, name: str, buffers: list[Any]) -> None:
+        """Take host buffers we filled and pinned ourselves (see pinning.py) as checkpoint `name`:
+        what `register_checkpoint` would have built, put where it would have put it."""
+        pool = getattr(self.ps, "_memory_pool", None)
+        if not isinstance(pool, dict) or not hasattr(self.ps, "_register_parameters_to_p2p_store"):
+            raise OperationFailed(
+                "this checkpoint-engine keeps its buffers differently; use --register-mode engine"
+            )
+        if name in pool:
+            raise OperationFailed(f"checkpoint {name!r} is already registered")
+        pool[name] = buffers
+        if self.ps._p2p_store is not None:
+            self.ps._register_parameters_to_p2p_store(name)
+
     def gather(self, name: str) -> None:
         self.ps.gather_metas(name)
 

@@ -45,11 +45,24 @@ def start_parameter_server(job: Job, *, p2p: bool) -> Any:
         return ParameterServerSession(p2p=p2p, io_timeout=job.watchdog.remaining)
 
 
-def register_share(job: Job, session: Any, name: str, checkpoint: Any, share: Any) -> None:
-    from ckptctl.checkpoint import load_rank_tensors
+REGISTER_MODES = ("engine", "direct")
 
+
+def register_share(
+    job: Job, session: Any, name: str, checkpoint: Any, share: Any, mode: str = "engine"
+) -> None:
+    """engine: checkpoint-engine copies views of the file mapping into pinned buffers it
+    allocates; direct: we pread into buffers and pin them in place (pinning.py)."""
     label = "loading and pinning this rank's share"
-    with job.reporter.stage("register", label, nbytes=share.bytes):
+    with job.reporter.stage("register", label, nbytes=share.bytes) as st:
+        st.detail = f"{mode} registration"
+        if mode == "direct":
+            from ckptctl.pipeline.pinning import read_share
+
+            session.register_buffers(name, read_share(checkpoint, list(share.tensors), pin=True))
+            return
+        from ckptctl.checkpoint import load_rank_tensors
+
         tensors = load_rank_tensors(checkpoint, share)
         session.register(name, tensors)
         del tensors  # views of the file mapping: drop them so the pages can go

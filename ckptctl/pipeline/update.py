@@ -29,6 +29,7 @@ class UpdateOptions:
     timeout: float = 600.0
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
+    register_mode: str = "engine"
     verbose: bool = False
 
 
@@ -51,7 +52,9 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
     def body(job: Job) -> dict[str, Any]:
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split)
         session = stages.start_parameter_server(job, p2p=p2p)
-        stages.register_share(job, session, opts.checkpoint_name, checkpoint, share)
+        stages.register_share(
+            job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode
+        )
         stages.wait_for_server(job, assignment, servers.engine)
         stages.gather_metas(job, session, opts.checkpoint_name)
         if opts.save_metas_file:

@@ -1,0 +1,161 @@
+"""Reading a rank's share straight into checkpoint-engine's host buffers ("direct" registration).
+
+checkpoint-engine's own `register_checkpoint(named_tensors=...)` allocates pinned buffers and
+copies every tensor into them from wherever the tensors live - for us, views of the file
+mapping. Each rank then holds the data twice while it registers (the mapped page-cache pages
+count in its RSS, and the pinned copy), and the copy runs at memcpy speed out of page faults.
+
+Here each tensor is read with `pread` straight into its place in a buffer that is then pinned
+in place with `cudaHostRegister`, and the buffers are handed to the ParameterServer in the shape
+its `register_checkpoint` would have made (`MemoryBuffer(buffer, size, metas,
+manually_pinned=True)`, 256-byte aligned tensors), so gather, update and unregister work as
+before. Files are opened read-only; nothing is ever written to them.
+
+The layout differs in one way: tensors are placed in file order (not name order), so that the
+reads run through each file front to back. checkpoint-engine only needs each buffer's metas in
+the order of their offsets.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
+from ckptctl.errors import InvalidInput, OperationFailed
+
+if TYPE_CHECKING:
+    import torch
+
+ALIGN = 256  # checkpoint-engine's _ALIGN_SIZE
+MIN_BUCKET = 4 << 30  # checkpoint-engine's pinned buckets: max(4 GiB, largest tensor)
+READ_CHUNK = 64 << 20  # big tensors are read in pieces, so that threads share them
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class HostBucket:
+    """One host buffer: its tensors and where each one goes."""
+
+    size: int = 0
+    placed: list[tuple[TensorInfo, int]] = field(default_factory=list)  # (tensor, offset)
+
+
+def layout(tensors: list[TensorInfo]) -> list[HostBucket]:
+    """Tensors in file order, packed into buckets of max(4 GiB, largest tensor), 256-aligned."""
+    if not tensors:
+        return []
+    limit = max(MIN_BUCKET, max(aligned(t.nbytes) for t in tensors))
+    buckets = [HostBucket()]
+    for t in sorted(tensors, key=lambda t: (t.file, t.start)):
+        size = aligned(t.nbytes)
+        if buckets[-1].placed and buckets[-1].size + size > limit:
+            buckets.append(HostBucket())
+        buckets[-1].placed.append((t, buckets[-1].size))
+        buckets[-1].size += size
+    return buckets
+
+
+def _read_jobs(bucket: HostBucket) -> Iterator[tuple[TensorInfo, int, int, int]]:
+    """(tensor, bytes already done, length, bucket offset) pieces of at most READ_CHUNK."""
+    for t, offset in bucket.placed:
+        done = 0
+        while done < t.nbytes:
+            n = min(READ_CHUNK, t.nbytes - done)
+            yield t, done, n, offset + done
+            done += n
+
+
+def fill(
+    checkpoint: Checkpoint, buckets: list[HostBucket], buffers: list[Any], threads: int
+) -> None:
+    """pread every tensor into its place; buffers are uint8 CPU tensors (pinned or not)."""
+    import numpy as np
+
+    fds: dict[str, int] = {}
+    try:
+        for bucket in buckets:
+            for t, _ in bucket.placed:
+                if t.file not in fds:
+                    fds[t.file] = os.open(checkpoint.path_of(t.file), os.O_RDONLY)
+        # Writable byte views of the buffers: preadv fills them without an intermediate copy.
+        views = [memoryview(np.asarray(b.numpy())) for b in buffers]  # type: ignore[arg-type]
+
+        def read(job: tuple[int, TensorInfo, int, int, int]) -> None:
+            i, t, done, n, at = job
+            target = views[i][at : at + n]
+            pos = t.start + done
+            while len(target):
+                got = os.preadv(fds[t.file], [target], pos)
+                if got == 0:
+                    raise InvalidInput(
+                        f"{checkpoint.path_of(t.file)}: ends before tensor {t.name!r} does: the "
+                        "file changed since it was planned; wait for the writer and rerun"
+                    )
+                target = target[got:]
+                pos += got
+
+        jobs = [(i, *job) for i, b in enumerate(buckets) for job in _read_jobs(b)]
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            for _ in pool.map(read, jobs):
+                pass
+    except OSError as exc:
+        raise InvalidInput(f"cannot read the checkpoint: {exc}") from None
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def metas_of(bucket: HostBucket) -> list[Any]:
+    """checkpoint-engine's ParameterMeta list for a bucket, in offset order."""
+    from checkpoint_engine.data_types import ParameterMeta
+
+    from ckptctl.checkpoint.loader import torch_layout
+
+    out = []
+    for t, _ in bucket.placed:
+        dtype, shape = torch_layout(t)
+        out.append(
+            ParameterMeta(name=t.name, dtype=dtype, shape=shape, aligned_size=aligned(t.nbytes))
+        )
+    return out
+
+
+def pin_in_place(buffer: torch.Tensor) -> None:
+    """cudaHostRegister, as checkpoint-engine's in-place pinning does (it unpins it the same way)."""
+    import torch
+
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    if err != 0:
+        raise OperationFailed(
+            f"cannot pin {buffer.numel()} bytes of host memory (CUDA error {err})"
+        )
+
+
+def read_share(
+    checkpoint: Checkpoint, tensors: list[TensorInfo], *, pin: bool, threads: int = 16
+) -> list[Any]:
+    """The share as checkpoint-engine MemoryBuffers: read, then (on a GPU) pinned in place."""
+    import torch
+    from checkpoint_engine.data_types import MemoryBuffer
+
+    buckets = layout(tensors)
+    buffers = [torch.empty(b.size, dtype=torch.uint8) for b in buckets]
+    fill(checkpoint, buckets, buffers, threads)
+    out = []
+    for bucket, buffer in zip(buckets, buffers, strict=True):
+        if pin and bucket.size:
+            pin_in_place(buffer)
+        out.append(
+            MemoryBuffer(
+                buffer=buffer, size=bucket.size, metas=metas_of(bucket), manually_pinned=pin
+            )
+        )
+    return out

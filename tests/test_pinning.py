@@ -1,0 +1,126 @@
+"""Direct registration (pinning.py) on CPU: the layout checkpoint-engine expects and every byte
+read into place, for every dtype; pinning itself needs CUDA (GPU tests)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_factory import mixed_tensors, write_real_checkpoint
+from safetensors.torch import load_file
+
+from ckptctl.checkpoint import plan_split, read_checkpoint
+from ckptctl.pipeline import pinning
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    mixed = mixed_tensors(seed=11)
+    names = sorted(mixed)
+    big = {f"big.{i}": torch.randn(300, 1000).to(torch.bfloat16) for i in range(3)}
+    return write_real_checkpoint(
+        tmp_path_factory.mktemp("ck"),
+        [{n: mixed[n] for n in names[::2]} | big, {n: mixed[n] for n in names[1::2]}],
+    )
+
+
+def test_layout_is_aligned_contiguous_and_in_file_order(ckpt: Path) -> None:
+    checkpoint = read_checkpoint(ckpt)
+    (bucket,) = pinning.layout(list(checkpoint.tensors))
+    offsets = [off for _, off in bucket.placed]
+    assert all(off % 256 == 0 for off in offsets)
+    for (t, off), (_, nxt) in zip(bucket.placed, bucket.placed[1:], strict=False):
+        assert nxt == off + pinning.aligned(t.nbytes)  # what checkpoint-engine's offsets assume
+    assert bucket.size == offsets[-1] + pinning.aligned(bucket.placed[-1][0].nbytes)
+    keys = [(t.file, t.start) for t, _ in bucket.placed]
+    assert keys == sorted(keys)
+
+
+def test_buckets_split_at_the_limit(monkeypatch: pytest.MonkeyPatch, ckpt: Path) -> None:
+    monkeypatch.setattr(pinning, "MIN_BUCKET", 700_000)  # ~ a 600 kB tensor + change
+    checkpoint = read_checkpoint(ckpt)
+    buckets = pinning.layout(list(checkpoint.tensors))
+    assert len(buckets) >= 3
+    assert all(b.size <= 700_000 for b in buckets)
+    assert sorted(t.name for b in buckets for t, _ in b.placed) == sorted(
+        t.name for t in checkpoint.tensors
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_byte_lands_in_place_for_every_dtype(ckpt: Path, world: int) -> None:
+    checkpoint = read_checkpoint(ckpt)
+    expected: dict[str, torch.Tensor] = {}
+    for f in checkpoint.files:
+        expected |= load_file(str(ckpt / f))
+    seen = set()
+    for rank in plan_split(checkpoint, world, "tensors").ranks:
+        for buf in pinning.read_share(checkpoint, list(rank.tensors), pin=False, threads=4):
+            assert buf.buffer.numel() == buf.size and not buf.manually_pinned
+            offset = 0
+            for meta in buf.metas:
+                want = expected[meta.name]
+                assert meta.dtype == want.dtype and tuple(meta.shape) == tuple(want.shape)
+                n = want.numel() * want.element_size()
+                got = buf.buffer[offset : offset + n]
+                assert torch.equal(got, want.reshape(-1).view(torch.uint8)), meta.name
+                offset += meta.aligned_size
+                seen.add(meta.name)
+    assert seen == set(expected)
+
+
+def test_big_tensors_are_read_in_pieces_by_several_threads(
+    monkeypatch: pytest.MonkeyPatch, ckpt: Path
+) -> None:
+    monkeypatch.setattr(pinning, "READ_CHUNK", 4096)
+    checkpoint = read_checkpoint(ckpt)
+    (buf,) = pinning.read_share(checkpoint, list(checkpoint.tensors), pin=False, threads=8)
+    big = load_file(str(ckpt / checkpoint.files[0]))["big.1"]
+    start = 0
+    for meta in buf.metas:
+        if meta.name == "big.1":
+            break
+        start += meta.aligned_size
+    assert torch.equal(buf.buffer[start : start + big.numel() * 2], big.view(-1).view(torch.uint8))
+
+
+def test_a_file_that_shrank_since_planning_is_invalid_input(tmp_path: Path, ckpt: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    checkpoint = read_checkpoint(copy)
+    victim = copy / checkpoint.files[0]
+    with open(victim, "r+b") as fh:
+        fh.truncate(victim.stat().st_size - 1000)
+    from ckptctl.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="changed since it was planned"):
+        pinning.read_share(checkpoint, list(checkpoint.tensors), pin=False)
+
+
+def test_peak_rss_is_one_copy(tmp_path: Path) -> None:
+    """Reading 256 MiB adds about 256 MiB of RSS in a fresh process: no mapping of the file
+    whose pages would count too (the engine path's views do), no staging copy."""
+    root = write_real_checkpoint(
+        tmp_path / "ck",
+        [{f"t{i}": torch.full((32 << 20,), i, dtype=torch.uint8) for i in range(8)}],
+    )
+    code = f"""
+import os, torch
+from ckptctl.checkpoint import read_checkpoint
+from ckptctl.pipeline.pinning import read_share
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+ck = read_checkpoint({str(root)!r})
+before = rss()
+bufs = read_share(ck, list(ck.tensors), pin=False)
+print(rss() - before)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    grew = int(r.stdout.strip().splitlines()[-1])
+    assert (256 << 20) * 0.9 < grew < (256 << 20) * 1.25, f"RSS grew by {grew / 2**20:.0f} MiB"
