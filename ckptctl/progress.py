@@ -99,6 +99,12 @@ class Reporter:
         pass
 
 
+def escape(text: str) -> str:
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
 class RichReporter(Reporter):
     """A live view for a person at rank 0's terminal: a spinner per running stage, then its figures."""
 
@@ -122,12 +128,16 @@ class RichReporter(Reporter):
             self.progress.console.print(message, markup=False, highlight=False)
 
     def _started(self, name: str, label: str) -> None:
-        self._tasks[name] = self.progress.add_task(label, total=1)
+        # escape(): paths, server messages and versions are text, never Rich markup.
+        self._tasks[name] = self.progress.add_task(escape(label), total=1)
 
     def _finished(self, figures: StageFigures) -> None:
         task = self._tasks.pop(figures.name, None)
         if task is not None:
-            self.progress.update(task, completed=1, description=figures.summary())
+            self.progress.update(task, completed=1, description=escape(figures.summary()))
+
+    def warn(self, message: str) -> None:
+        self.progress.console.print(f"warning: {message}", style="yellow", markup=False)
 
     def close(self) -> None:
         self.progress.stop()

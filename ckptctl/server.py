@@ -50,6 +50,27 @@ class ServerAddress:
         return f"{self.endpoint} (via Unix socket {self.uds})" if self.uds else self.endpoint
 
 
+def check_endpoint(endpoint: str) -> str:
+    """The endpoint if it is an http(s) URL with a host; else a usage error (exit 2) at once,
+    rather than polling a URL that can never answer until the timeout runs out."""
+    from urllib.parse import urlsplit
+
+    from ckptctl.errors import UsageError
+
+    try:
+        parts = urlsplit(endpoint)
+        host = parts.hostname
+        httpx.URL(endpoint)
+    except (httpx.InvalidURL, TypeError, ValueError):
+        parts, host = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not host:
+        raise UsageError(
+            f"--endpoint {endpoint!r} is not an http(s) URL with a host; "
+            "write it like http://localhost:19730"
+        )
+    return endpoint
+
+
 def make_client(address: ServerAddress, timeout: float) -> httpx.Client:
     """An httpx client for `address`; `trust_env=False` keeps proxy settings off loopback calls."""
     headers = {"Authorization": f"Bearer {address.api_key}"} if address.api_key else {}

@@ -76,3 +76,26 @@ def test_bucket_size_is_a_whole_number_of_mib(gb: float) -> None:
     nbytes = int(float(bucket_size_env(gb)) * (1 << 30))  # what checkpoint-engine computes
     assert nbytes % (1 << 20) == 0 and nbytes > 0
     assert abs(nbytes - gb * (1 << 30)) <= 1 << 20
+
+
+def test_several_groups_on_a_node_need_a_server_each() -> None:
+    # The seed script would send all four groups to one server; that can never work.
+    with pytest.raises(UsageError, match="makes 4 server groups on this node, but --endpoint"):
+        _assign(0, 8, 8, 2, ["http://localhost:19730"])
+    with pytest.raises(UsageError, match="--uds names 1 server"):
+        _assign(0, 8, 8, 2, [f"http://h:{i}" for i in range(4)], ["/run/one.sock"])
+
+
+@pytest.mark.parametrize("bad", ["localhost:19730", "http://", "ftp://host/x", "http://[bad"])
+def test_malformed_endpoints_are_usage_errors(bad: str) -> None:
+    from ckptctl.pipeline.groups import ServerTargets
+
+    with pytest.raises(UsageError, match="is not an http"):
+        ServerTargets.from_flags(
+            endpoints=[bad],
+            uds=None,
+            api_key=None,
+            engine="sglang",
+            parallel_size=1,
+            weight_version=None,
+        )

@@ -89,3 +89,35 @@ def test_update_stage_view_on_a_terminal_ends_with_one_error_line() -> None:
     assert "split" in err and "no CUDA device" in err
     assert "Traceback" not in err
     assert out == ""
+
+
+def test_server_text_is_never_read_as_markup() -> None:
+    # A weight version that looks like a Rich closing tag must not crash the live status.
+    with FakeServer(Behaviour(weights_loaded=True, weight_version="[/v0]")) as s:
+        code, _, err = _run_on_pty(
+            "wait-ready",
+            "--endpoint",
+            s.endpoint,
+            "--weight-version",
+            "v1",
+            "--timeout",
+            "1",
+            "--interval",
+            "0.1",
+        )
+    assert code == 4, err
+    assert "MarkupError" not in err and "[/v0]" in err
+
+
+def test_checkpoint_path_with_brackets(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    odd = tmp_path / "runs[/x]"  # a folder "runs[" holding "x]": "[/x]" is a Rich closing tag
+    odd.mkdir(parents=True)
+    save_file({"w[0]": torch.ones(3), "b[/bold]": torch.zeros(2)}, str(odd / "model.safetensors"))
+    code, out, err = _run_on_pty(
+        "update", "--dry-run", "--checkpoint-path", str(odd), "--world-size", "2"
+    )
+    assert code == 0, err
+    assert "runs[/x]" in out

@@ -456,3 +456,11 @@ def test_python_dash_m_runs_the_same_cli() -> None:
     )
     assert r.returncode == 4
     assert "error:" in r.stderr
+
+
+@pytest.mark.parametrize("bad", ["localhost:19730", "http://[bad", "unix:///tmp/x.sock"])
+def test_malformed_endpoint_is_a_usage_error_at_once(bad: str) -> None:
+    t0 = time.monotonic()
+    r = invoke("wait-ready", "--endpoint", bad, "--timeout", "30")
+    assert r.exit_code == 2 and "is not an http(s) URL" in r.stderr
+    assert time.monotonic() - t0 < 5

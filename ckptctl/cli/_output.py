@@ -25,8 +25,10 @@ class Output:
         self.json_mode = json_mode
         self.quiet = quiet
         self.launch = launch or launch_info()
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
-        self.out = Console(highlight=False, soft_wrap=True)
+        # markup=False: paths, tensor names and server messages are text, never Rich markup
+        # (a checkpoint in "runs[/x]" must not crash a table). Styled output uses Text objects.
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+        self.out = Console(highlight=False, soft_wrap=True, markup=False)
         # Live displays only where a person is watching, and only once per job.
         self.interactive = self.err.is_terminal and self.launch.is_primary and not quiet
 

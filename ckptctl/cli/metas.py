@@ -9,7 +9,7 @@ import typer
 
 from ckptctl.cli._options import JsonOpt, QuietOpt
 from ckptctl.cli._output import Output
-from ckptctl.errors import InvalidInput, OperationFailed
+from ckptctl.errors import OperationFailed
 
 if TYPE_CHECKING:
     from ckptctl.metas import CheckpointTensor, Difference, MetasSummary
@@ -81,45 +81,13 @@ def inspect_metas_command(
 
 
 def _checkpoint_tensors(path: Path) -> list[CheckpointTensor]:
+    from ckptctl.checkpoint import read_checkpoint
     from ckptctl.metas import CheckpointTensor
 
-    try:
-        from ckptctl.checkpoint import read_checkpoint
-    except ImportError:
-        return _header_tensors(path)
     return [
         CheckpointTensor(t.name, t.dtype, tuple(t.shape), t.end - t.start)
         for t in read_checkpoint(path).tensors
     ]
-
-
-# TODO: switch to ckptctl.checkpoint once merged (this reads headers only, never tensor data).
-def _header_tensors(path: Path) -> list[CheckpointTensor]:
-    from safetensors import SafetensorError, safe_open
-
-    from ckptctl.metas import CheckpointTensor
-    from ckptctl.metas.summary import SAFETENSORS_DTYPES
-
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not path.exists() or not files:
-        raise InvalidInput(f"no .safetensors files at {path}")
-    tensors = []
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    piece = st.get_slice(name)
-                    dtype, shape = piece.get_dtype(), tuple(piece.get_shape())
-                    itemsize = SAFETENSORS_DTYPES.get(dtype, (None, None))[1]
-                    numel = 1
-                    for d in shape:
-                        numel *= d
-                    tensors.append(
-                        CheckpointTensor(name, dtype, shape, itemsize * numel if itemsize else None)
-                    )
-        except (SafetensorError, OSError) as exc:
-            raise InvalidInput(f"{f} is not a readable safetensors file: {exc}") from None
-    return tensors
 
 
 def _human_bytes(n: int) -> str:
@@ -137,13 +105,17 @@ def _show(out: Output, summary: MetasSummary) -> None:
 
     src = summary.source
     if src.legacy_pickle:
-        out.show(f"[bold]{escape(str(src.path))}[/bold]  legacy pickle (no header)")
+        out.show(
+            Text.from_markup(f"[bold]{escape(str(src.path))}[/bold]  legacy pickle (no header)")
+        )
     else:
         out.show(
-            f"[bold]{escape(str(src.path))}[/bold]  "
-            f"checkpoint [cyan]{escape(src.checkpoint_name or '')}[/cyan] · "
-            f"world size {src.world_size} · written {src.created_at:%Y-%m-%d %H:%M:%S %Z} by "
-            f"ckptctl {src.ckptctl_version}, checkpoint-engine {src.checkpoint_engine_version}"
+            Text.from_markup(
+                f"[bold]{escape(str(src.path))}[/bold]  "
+                f"checkpoint [cyan]{escape(src.checkpoint_name or '')}[/cyan] · "
+                f"world size {src.world_size} · written {src.created_at:%Y-%m-%d %H:%M:%S %Z} by "
+                f"ckptctl {src.ckptctl_version}, checkpoint-engine {src.checkpoint_engine_version}"
+            )
         )
 
     ranks = Table(title="Owner ranks", title_justify="left")
@@ -195,9 +167,13 @@ def _show(out: Output, summary: MetasSummary) -> None:
             )
         out.show(largest)
     if not summary.p2p_ready:
-        out.show("[yellow]not joinable over p2p: a rank has no p2p store address or RDMA device[/]")
+        out.show(
+            Text("not joinable over p2p: a rank has no p2p store address or RDMA device", "yellow")
+        )
     if summary.duplicate_names:
-        out.show(f"[yellow]{len(summary.duplicate_names)} tensor name(s) held by several ranks[/]")
+        out.show(
+            Text(f"{len(summary.duplicate_names)} tensor name(s) held by several ranks", "yellow")
+        )
 
 
 def _show_differences(out: Output, diffs: list[Difference], checkpoint_path: Path | None) -> None:
@@ -205,9 +181,15 @@ def _show_differences(out: Output, diffs: list[Difference], checkpoint_path: Pat
     from rich.text import Text
 
     if not diffs:
-        out.show(f"[green]matches {escape(str(checkpoint_path))}[/]: names, dtypes, shapes, sizes")
+        out.show(
+            Text.from_markup(
+                f"[green]matches {escape(str(checkpoint_path))}[/]: names, dtypes, shapes, sizes"
+            )
+        )
         return
-    out.show(f"[red]{len(diffs)} difference(s) from {escape(str(checkpoint_path))}[/]:")
+    out.show(
+        Text.from_markup(f"[red]{len(diffs)} difference(s) from {escape(str(checkpoint_path))}[/]:")
+    )
     for d in diffs[:_SHOWN_DIFFERENCES]:
         out.show(Text(f"  {d.describe()}"))
     if len(diffs) > _SHOWN_DIFFERENCES:

@@ -60,19 +60,21 @@ def wait_ready_command(
 
     Example: [bold]ckptctl wait-ready --timeout 600 && torchrun ... ckptctl update ...[/bold]
     """
+    from rich.text import Text
+
     from ckptctl.readiness import Prober, wait_ready
-    from ckptctl.server import ServerAddress
+    from ckptctl.server import ServerAddress, check_endpoint
 
     out = Output(json_mode=json_output, quiet=quiet)
     if weight_version is not None and engine is EngineChoice.vllm:
         raise UsageError("--weight-version needs --engine sglang: vLLM reports no weight version")
-    address = ServerAddress(endpoint=endpoint, uds=uds, api_key=api_key)
+    address = ServerAddress(endpoint=check_endpoint(endpoint), uds=uds, api_key=api_key)
     goal = f"{for_.value}" + (f" with weight version {weight_version!r}" if weight_version else "")
     out.log(f"waiting up to {timeout:g}s for {address.describe()} to be {goal}")
 
     last_status: list[str] = []
     status_ctx = (
-        out.err.status(f"waiting for {address.describe()}", spinner="dots")
+        out.err.status(Text(f"waiting for {address.describe()}"), spinner="dots")
         if out.interactive
         else contextlib.nullcontext()
     )
@@ -80,8 +82,11 @@ def wait_ready_command(
     def on_attempt(probe, attempts: int, elapsed: float) -> None:
         if status_ctx is not None and out.interactive:
             status_ctx.update(  # type: ignore[union-attr]
-                f"waiting for {address.describe()} to be {goal} · {elapsed:.1f}s · "
-                f"{attempts} attempts · last: {probe.status}"
+                # Text(): what the server says is shown as is, never read as Rich markup.
+                Text(
+                    f"waiting for {address.describe()} to be {goal} · {elapsed:.1f}s · "
+                    f"{attempts} attempts · last: {probe.status}"
+                )
             )
         elif not last_status or last_status[-1] != probe.status:
             # Without a terminal: one line per change of state, not one per poll.

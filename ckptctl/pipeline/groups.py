@@ -65,6 +65,15 @@ def assign_group(
                 f"{flag} was given {len(values)} times but this node leads {n_local_groups} "
                 f"server group(s): give it once, or once per group on the node in group order"
             )
+    # Each group needs a server of its own: the Unix socket names it when given, else the URL.
+    targets = uds or endpoints
+    if n_local_groups > 1 and len(targets) != n_local_groups:
+        flag = "--uds" if uds else "--endpoint"
+        raise UsageError(
+            f"--inference-parallel-size {parallel_size} makes {n_local_groups} server groups on "
+            f"this node, but {flag} names {len(targets)} server(s): give {flag} once per group, "
+            "in group order (every group needs its own server)"
+        )
     address = None
     if rank == leader:
         i = local_leaders.index(rank) if rank in local_leaders else 0
@@ -105,8 +114,10 @@ class ServerTargets:
             raise UsageError(
                 "--weight-version needs --engine sglang: vLLM records no weight version"
             )
+        from ckptctl.server import check_endpoint
+
         return cls(
-            tuple(endpoints or (DEFAULT_ENDPOINT,)),
+            tuple(check_endpoint(e) for e in endpoints or (DEFAULT_ENDPOINT,)),
             tuple(uds or ()),
             api_key,
             engine,
