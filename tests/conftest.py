@@ -73,3 +73,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def assert_failure_document(stdout: str, code: int) -> dict:
+    """With --json a failed command still writes exactly one JSON document: the failure."""
+    import json
+
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one JSON document on stdout, got {stdout!r}"
+    doc = json.loads(lines[0])
+    assert doc["ok"] is False and doc["exit_code"] == code and doc["error"]
+    return doc

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_failure_document
 from metas_samples import (
     every_dtype_metas,
     invoke,
@@ -182,7 +183,7 @@ def test_bad_files_are_one_line_and_exit_3(metas_file: Path, damage, message: st
     damage(metas_file)
     result = invoke("inspect-metas", str(metas_file), "--json")
     assert result.exit_code == 3
-    assert result.stdout == ""
+    assert message in assert_failure_document(result.stdout, 3)["error"]
     assert result.stderr.count("\n") == 1 and message in result.stderr
 
 

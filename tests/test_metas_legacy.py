@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_engine.data_types import DataToGather, ParameterMeta
+from conftest import assert_failure_document
 from metas_samples import every_dtype_metas, invoke, run_script, small_metas
 
 from ckptctl.errors import InvalidInput
@@ -217,7 +218,8 @@ def test_cli_refuses_malicious_pickle_with_and_without_the_flag(tmp_path: Path) 
         assert result.exit_code == 3, result.output
         assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
         proc = run_script("inspect-metas", str(path), "--json", *flags)
-        assert proc.returncode == 3 and proc.stdout == ""
+        assert proc.returncode == 3
+        assert_failure_document(proc.stdout, 3)
         assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
         assert not marker.exists()
 

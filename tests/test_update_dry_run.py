@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from ckpt_factory import MALFORMED, write_sparse_checkpoint
+from conftest import assert_failure_document
 from model_shapes import qwen3_8b
 from typer.testing import CliRunner
 
@@ -108,7 +109,7 @@ def test_malformed_checkpoint_as_the_installed_script(tmp_path: Path) -> None:
     path = MALFORMED["header past end"][0](tmp_path / "ckpt")
     done = run_script(*dry_run("--checkpoint-path", str(path), "--json"))
     assert done.returncode == 3
-    assert done.stdout == ""
+    assert_failure_document(done.stdout, 3)
     assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
 
 

@@ -8,10 +8,11 @@ import os
 import signal
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 
+from ckptctl import results
 from ckptctl.errors import CkptctlError, ExitCode, Interrupted, print_error
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -51,16 +52,19 @@ def handle_errors(func: F) -> F:
         except CkptctlError as exc:
             if debug_enabled():
                 traceback.print_exc()
-            print_error(str(exc))
-            raise typer.Exit(int(exc.exit_code)) from None
+            _fail(exc.exit_code, str(exc))
         except KeyboardInterrupt:
-            print_error("interrupted")
-            raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+            _fail(ExitCode.INTERRUPTED, "interrupted")
         except Exception as exc:  # noqa: BLE001 - the last line of defence: never a bare traceback
             if debug_enabled():
                 traceback.print_exc()
             hint = "" if debug_enabled() else f" (set {DEBUG_ENV}=1 for the traceback)"
-            print_error(f"internal error: {type(exc).__name__}: {exc}{hint}")
-            raise typer.Exit(int(ExitCode.FAILED)) from None
+            _fail(ExitCode.FAILED, f"internal error: {type(exc).__name__}: {exc}{hint}")
 
     return wrapper  # type: ignore[return-value]
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    print_error(message)
+    results.write_failure(code, message)
+    raise typer.Exit(int(code)) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ckptctl import results
 from ckptctl.cli._errors import debug_enabled
 from ckptctl.cli._output import Output
 
@@ -22,7 +23,8 @@ def run_job_with_display(
         else Reporter(out.log, primary=out.is_primary, quiet=out.quiet)
     )
     try:
-        summary = run(opts, reporter, debug=debug_enabled())
+        with results.protect_stdout():  # NCCL and CUDA write to fd 1 directly
+            summary = run(opts, reporter, debug=debug_enabled())
     finally:
         reporter.close()
     if out.json_mode:

@@ -9,12 +9,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
 from rich.console import Console
 
+from ckptctl import results
 from ckptctl.launch import LaunchInfo, launch_info
 
 
@@ -31,6 +31,8 @@ class Output:
         self.out = Console(highlight=False, soft_wrap=True, markup=False)
         # Live displays only where a person is watching, and only once per job.
         self.interactive = self.err.is_terminal and self.launch.is_primary and not quiet
+        # With --json, rank 0 owes exactly one document on stdout, success or not.
+        results.expect(sys.stdout if json_mode and self.is_primary else None)
 
     @property
     def is_primary(self) -> bool:
@@ -53,8 +55,7 @@ class Output:
     def result(self, doc: dict[str, Any]) -> None:
         """The command's JSON result: exactly one document on stdout, from rank 0."""
         if self.is_primary:
-            sys.stdout.write(json.dumps(doc, indent=None, separators=(",", ":")) + "\n")
-            sys.stdout.flush()
+            results.write(doc)
 
     def show(self, renderable: Any) -> None:
         """Human-readable results (tables, summaries) on stdout, from rank 0, not with --json."""

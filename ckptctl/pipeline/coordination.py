@@ -28,6 +28,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from ckptctl import results
 from ckptctl.errors import ExitCode, print_error
 from ckptctl.launch import LaunchInfo
 
@@ -253,6 +254,11 @@ class Watchdog:
                 return
             self._exiting = True
         print_error(message)  # first: torchrun may SIGKILL us soon after a peer exits
+        results.write_failure(code, message)
+        if sys.stderr.isatty():
+            sys.stderr.write(
+                "\x1b[?25h"
+            )  # a live display hid the cursor; os._exit skips its cleanup
         if publish and self.coordinator is not None:
             try:
                 self.coordinator.publish_abort(code, message)

@@ -1,0 +1,71 @@
+"""The one JSON document a `--json` command writes on stdout - also when it fails.
+
+On success the command writes its result. When it ends without one (an error, a timeout, a
+watchdog ending the rank from another thread), `write_failure` writes
+`{"ok": false, "exit_code": N, "error": "..."}` instead, so `--json > out.json` never leaves an
+empty or half-written file. Only rank 0 writes.
+
+GPU jobs also keep native libraries off stdout: NCCL (with NCCL_DEBUG) and CUDA print to file
+descriptor 1 directly. `protect_stdout` points fd 1 at stderr while the job runs and keeps the
+real stdout for the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+_stream: TextIO | None = None  # where the result goes; None: this command prints no JSON
+_written = False
+
+
+def expect(stream: TextIO | None) -> None:
+    """Called when a command starts: a JSON result is owed on `stream` (None: none is)."""
+    global _stream, _written
+    _stream, _written = stream, False
+
+
+def write(doc: dict[str, Any]) -> None:
+    global _written
+    if _stream is None or _written:
+        return
+    _stream.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    _stream.flush()
+    _written = True
+
+
+def write_failure(code: int, message: str) -> None:
+    """The failure document, unless a result already went out."""
+    write({"ok": False, "exit_code": int(code), "error": message})
+
+
+@contextlib.contextmanager
+def protect_stdout() -> Iterator[None]:
+    """While the block runs, fd 1 goes to stderr; the JSON result still reaches the real stdout."""
+    global _stream
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # captured (tests): nothing native to fear
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    os.dup2(sys.stderr.fileno(), fd)
+    real = os.fdopen(os.dup(saved), "w")
+    previous = _stream
+    if _stream is not None:
+        _stream = real
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        real.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+        real.close()
+        if previous is not None:
+            _stream = previous
