@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from ckptctl.errors import InvalidInput
 from ckptctl.launch import launch_info
 from ckptctl.pipeline.coordination import Coordinator, Watchdog
 
@@ -33,6 +34,28 @@ def main(scenario: str) -> None:
             docs = coordinator.collect("figures", timeout_s=20)
             print(json.dumps([d["rank"] for d in docs]), flush=True)
         watchdog.stop()
+        return
+    if scenario == "plan":
+        # Each rank plans on "its node's copy" of the checkpoint: argv[2] for rank 0, argv[3]
+        # for the others. run_job publishes the failure, so every rank ends with rank 0's code.
+        from ckptctl.checkpoint import plan_split, read_checkpoint
+        from ckptctl.pipeline.job import Job
+        from ckptctl.pipeline.stages import check_same_plan
+        from ckptctl.progress import Reporter
+
+        watchdog.stop()
+        path = sys.argv[2] if launch.rank == 0 else sys.argv[3]
+        watchdog = Watchdog(launch, coordinator, timeout_s=60).start()
+        job = Job(launch, coordinator, watchdog, Reporter(print, primary=launch.rank == 0))
+        plan = plan_split(read_checkpoint(path), launch.world_size, "files")
+        try:
+            check_same_plan(job, plan, path)
+        except InvalidInput as exc:
+            coordinator.publish_abort(3, str(exc))
+            watchdog.fail(3, str(exc))
+        time.sleep(2)  # long enough to see an abort published by rank 0
+        watchdog.stop()
+        print("plans agree", flush=True)
         return
     if scenario == "fail" and launch.rank == 1:
         time.sleep(1.0)

@@ -14,7 +14,9 @@ from fake_server import free_port
 SCRIPT = str(Path(__file__).with_name("coordination_rank.py"))
 
 
-def _torchrun(scenario: str, nproc: int = 2) -> tuple[subprocess.CompletedProcess[str], float]:
+def _torchrun(
+    scenario: str, nproc: int = 2, *args: str
+) -> tuple[subprocess.CompletedProcess[str], float]:
     cmd = [
         sys.executable,
         "-m",
@@ -27,6 +29,7 @@ def _torchrun(scenario: str, nproc: int = 2) -> tuple[subprocess.CompletedProces
         str(free_port()),
         SCRIPT,
         scenario,
+        *args,
     ]
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -65,3 +68,61 @@ def test_a_rank_that_dies_silently_ends_the_job() -> None:
     r, took = _torchrun("die")
     assert r.returncode != 0
     assert took < 20
+
+
+def test_nodes_that_see_different_checkpoints_are_stopped_with_exit_3(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from ckpt_factory import write_real_checkpoint
+
+    shards = [{"a": torch.ones(4)}, {"b": torch.zeros(8)}]
+    same = write_real_checkpoint(tmp_path / "node0", shards, index=False)
+    other = write_real_checkpoint(
+        tmp_path / "node1", [*shards, {"stray": torch.ones(2)}], index=False
+    )
+    r, took = _torchrun("plan", 2, str(same), str(other))
+    assert r.returncode != 0
+    assert "rank 1 (on " in r.stderr and "sees a different checkpoint" in r.stderr
+    assert "exitcode  : 3" in r.stderr or "exitcode: 3" in r.stderr.replace("  ", " ")
+    assert took < 30
+    agree, _ = _torchrun("plan", 2, str(same), str(same))
+    assert agree.returncode == 0, agree.stderr
+    assert "plans agree" in agree.stdout
+
+
+def test_a_rank_dying_on_another_node_is_noticed_by_heartbeats() -> None:
+    """Two torchrun agents ("nodes"): node 1's rank dies; node 0's torchrun never hears of it,
+    so only the heartbeats in the store end rank 0 (stale after 3 s in this test)."""
+    port = str(free_port())
+
+    def node(rank: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                SCRIPT,
+                "die",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    t0 = time.monotonic()
+    node0, node1 = node(0), node(1)
+    _, err0 = node0.communicate(timeout=90)
+    node1.communicate(timeout=90)
+    took = time.monotonic() - t0
+    assert node0.returncode != 0
+    assert "rank 1 stopped responding" in err0 or "lost contact with the job's store" in err0
+    assert took < 45

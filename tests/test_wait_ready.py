@@ -90,7 +90,8 @@ def test_healthy_times_out_with_exit_4_and_json(server: FakeServer) -> None:
     assert doc["ready"] is False and doc["attempts"] >= 2
     assert "HTTP 503" in r.stderr
     assert r.stderr.count("error:") == 1 and "Traceback" not in r.stderr
-    assert took < 0.8 + 0.05 + 0.5 + 0.5  # deadline + interval + attempt timeout + slack
+    # deadline + interval + attempt timeout, plus slack for a loaded CI machine
+    assert took < 0.8 + 0.05 + 0.5 + 2.0
 
 
 @pytest.mark.parametrize("profile", ["sglang-0.5.4", "sglang-0.5.14", "sglang-0.5.23"])
@@ -229,7 +230,7 @@ def test_server_that_never_answers_is_bounded_by_attempt_timeout() -> None:
         took = time.monotonic() - t0
     assert r.exit_code == 4
     assert "no answer within" in r.stderr
-    assert took < 1.0 + 0.1 + 0.3 + 0.6
+    assert took < 1.0 + 0.1 + 0.3 + 2.0  # far below what an unbounded attempt would take
 
 
 def test_server_that_hangs_longer_than_the_whole_timeout() -> None:
@@ -241,7 +242,7 @@ def test_server_that_hangs_longer_than_the_whole_timeout() -> None:
         )
         took = time.monotonic() - t0
     assert r.exit_code == 4
-    assert took < 2.0
+    assert took < 4.0  # the 30 s attempt timeout was clipped to the deadline
 
 
 @pytest.mark.parametrize(

@@ -88,13 +88,28 @@ class Coordinator:
     def beats(self, rank: int) -> int:
         return int(self.store.add(f"hb/{rank}", 0))
 
+    # -- barriers ------------------------------------------------------------------------------------
+    def barrier(self, name: str, timeout_s: float) -> None:
+        """Every rank reaches `name` (bounded; the watchdog ends us sooner on a failure)."""
+        self.store.set(f"{name}/{self.launch.rank}", "1")
+        self._wait_for([f"{name}/{r}" for r in range(self.launch.world_size)], timeout_s)
+
+    def _wait_for(self, keys: list[str], timeout_s: float) -> None:
+        """Poll with short `check` calls, never a blocking `wait`: the store client serialises
+        its calls, and a long wait would starve the watchdog's heartbeats on the same client."""
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not reach {keys[0].rsplit('/', 1)[0]} in time")
+            time.sleep(0.05)
+
     # -- figures -------------------------------------------------------------------------------------
     def publish(self, key: str, doc: dict[str, Any]) -> None:
         self.store.set(f"{key}/{self.launch.rank}", json.dumps(doc))
 
     def collect(self, key: str, timeout_s: float) -> list[dict[str, Any]]:
         keys = [f"{key}/{r}" for r in range(self.launch.world_size)]
-        self.store.wait(keys, timedelta(seconds=timeout_s))
+        self._wait_for(keys, timeout_s)
         return [json.loads(self.store.get(k)) for k in keys]
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from ckptctl.errors import DeadlineExceeded, ExitCode, OperationFailed
+from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
 from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
 from ckptctl.server import ServerAddress
@@ -35,7 +35,45 @@ def plan_share(job: Job, checkpoint_path: str, split: str) -> tuple[Any, Any, An
             f"{plan.split} split: this rank {share.bytes / 1e9:.2f} GB, "
             f"{len(share.tensors)} tensors from {len(share.files)} files"
         )
+        check_same_plan(job, plan, checkpoint_path)
     return checkpoint, plan, share
+
+
+def plan_fingerprint(plan: Any) -> str:
+    """A digest of everything the plan depends on: the files, their headers, the split."""
+    import hashlib
+    import json
+
+    doc = {
+        "split": plan.split,
+        "world": plan.world_size,
+        "ranks": [
+            [(t.file, t.name, t.dtype, t.shape, t.start, t.end) for t in r.tensors]
+            for r in plan.ranks
+        ],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def check_same_plan(job: Job, plan: Any, checkpoint_path: str) -> None:
+    """Every node plans on its own copy of the checkpoint; rank 0 checks they all agree, or a
+    tensor would be loaded twice or never (a partial copy, a stray file on one node)."""
+    if job.coordinator is None:
+        return
+    import socket
+
+    mine = {"fingerprint": plan_fingerprint(plan), "host": socket.gethostname()}
+    job.coordinator.publish("plan", mine)
+    if job.launch.rank != 0:
+        return
+    docs = job.coordinator.collect("plan", timeout_s=max(job.watchdog.remaining(), 1.0))
+    for rank, doc in enumerate(docs):
+        if doc["fingerprint"] != mine["fingerprint"]:
+            raise InvalidInput(
+                f"rank {rank} (on {doc['host']}) sees a different checkpoint at "
+                f"{checkpoint_path} than rank 0 (on {mine['host']}): copy the same files to "
+                "every node (compare their sizes and model.safetensors.index.json)"
+            )
 
 
 def start_parameter_server(job: Job, *, p2p: bool) -> Any:
@@ -69,25 +107,32 @@ def register_share(
 
 
 def wait_for_server(job: Job, assignment: GroupAssignment, engine: str) -> None:
-    """The group leader waits until its server answers HTTP (SGLang's 503 counts)."""
-    if not assignment.is_leader:
-        return
+    """Each group leader waits until its server answers HTTP (SGLang's 503 counts); every rank
+    then meets the others here, so no rank sits in checkpoint-engine's 10-minute store
+    timeout while a slow server starts (--timeout may be longer)."""
+    with job.reporter.stage("wait_server", "waiting for the inference server") as st:
+        if assignment.is_leader:
+            st.detail = _wait_until_listening(job, assignment, engine)
+        if job.coordinator is not None:
+            job.coordinator.barrier("servers-up", timeout_s=job.watchdog.remaining())
+
+
+def _wait_until_listening(job: Job, assignment: GroupAssignment, engine: str) -> str:
     from ckptctl.readiness import Prober, wait_ready
 
     address = assignment.address
     assert address is not None
-    with job.reporter.stage("wait_server", f"waiting for {address.describe()}") as st:
-        prober = Prober(address, engine, "listening")
-        try:
-            result = wait_ready(prober, timeout=max(job.watchdog.remaining(), 0.0), interval=0.5)
-        finally:
-            prober.close()
-        if not result.ready:
-            raise DeadlineExceeded(
-                f"{address.describe()} did not answer within --timeout "
-                f"({result.attempts} attempts, last: {result.last_status})"
-            )
-        st.detail = result.last_status
+    prober = Prober(address, engine, "listening")
+    try:
+        result = wait_ready(prober, timeout=max(job.watchdog.remaining(), 0.0), interval=0.5)
+    finally:
+        prober.close()
+    if not result.ready:
+        raise DeadlineExceeded(
+            f"{address.describe()} did not answer within --timeout "
+            f"({result.attempts} attempts, last: {result.last_status})"
+        )
+    return f"{address.describe()}: {result.last_status}"
 
 
 def gather_metas(job: Job, session: Any, name: str) -> None:
