@@ -73,3 +73,34 @@ def test_legacy_pickle_needs_allow_pickle(server: FakeServer, tmp_path: Path) ->
 @pytest.mark.parametrize("flags", [["--engine", "vllm", "--weight-version", "v1"]])
 def test_usage_errors(server: FakeServer, tmp_path: Path, flags: list[str]) -> None:
     assert _join(server, write_small_metas(tmp_path), *flags).exit_code == 2
+
+
+def test_seed_join_mode_through_update(server: FakeServer, tmp_path: Path) -> None:
+    """The seed script joins with `update.py --load-metas-file F`: so does `ckptctl update`."""
+    r = invoke(
+        "update",
+        "--load-metas-file",
+        str(write_small_metas(tmp_path)),
+        "--endpoint",
+        server.endpoint,
+        "--inference-parallel-size",
+        "1",
+        "--timeout",
+        "10",
+    )
+    assert r.exit_code == 3 and "join pulls weights over p2p" in r.stderr
+    assert server.behaviour.requests == []
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ([], "--checkpoint-path is required"),
+        (["--load-metas-file", "m.json", "--dry-run"], "goes with neither"),
+        (["--checkpoint-path", ".", "--dry-run", "--world-size", "100000"], "65536"),
+    ],
+)
+def test_update_flag_combinations(args: list[str], words: str) -> None:
+    r = invoke("update", *args)
+    assert r.exit_code == 2
+    assert words in r.stderr

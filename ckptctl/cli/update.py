@@ -15,7 +15,6 @@ from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice, 
 from ckptctl.cli._options import (
     ApiKeyOpt,
     CheckpointNameOpt,
-    CheckpointPathOpt,
     EndpointsOpt,
     EngineOpt,
     InferenceParallelSizeOpt,
@@ -46,7 +45,16 @@ def resolve_world_size(launch: LaunchInfo, flag: int | None) -> int:
 
 
 def update_command(
-    checkpoint_path: CheckpointPathOpt,
+    checkpoint_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint-path",
+            help="Checkpoint directory: safetensors shards with model.safetensors.index.json, "
+            "a single model.safetensors, or a directory of .safetensors files. Required unless "
+            "--load-metas-file is given.",
+            show_default=False,
+        ),
+    ] = None,
     endpoint: EndpointsOpt = None,
     inference_parallel_size: InferenceParallelSizeOpt = 8,
     checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
@@ -58,6 +66,23 @@ def update_command(
         Path | None,
         typer.Option("--save-metas-file", help="Also write the gathered metas to this file."),
     ] = None,
+    load_metas_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--load-metas-file",
+            help="Join instead: pull the weights over p2p from the holders this metas file "
+            "names (as `ckptctl join`); no checkpoint is read.",
+            show_default=False,
+        ),
+    ] = None,
+    allow_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--allow-pickle",
+            help="With --load-metas-file: also read a legacy pickle metas file, through a "
+            "restricted unpickler (checkpoint-engine's data models, torch dtypes and sizes only).",
+        ),
+    ] = False,
     uds: UdsListOpt = None,
     weight_version: WeightVersionOpt = None,
     sleep_time: Annotated[
@@ -77,6 +102,7 @@ def update_command(
         typer.Option(
             "--world-size",
             min=1,
+            max=65536,
             help="Ranks to plan for when not under torchrun (under torchrun: its WORLD_SIZE).",
             show_default=False,
         ),
@@ -121,6 +147,12 @@ def update_command(
     out = Output(json_mode=json_output, quiet=quiet, launch=launch)
     world = resolve_world_size(launch, world_size)
 
+    if load_metas_file is not None and (dry_run or save_metas_file is not None):
+        raise UsageError(
+            "--load-metas-file (join) goes with neither --dry-run nor --save-metas-file"
+        )
+    if load_metas_file is None and checkpoint_path is None:
+        raise UsageError("--checkpoint-path is required (or --load-metas-file, to join)")
     if not dry_run:
         if world_size is not None and not launch.under_torchrun:
             raise UsageError(
@@ -128,19 +160,35 @@ def update_command(
             )
         from ckptctl.cli._job_view import run_job_with_display
         from ckptctl.pipeline.groups import ServerTargets
+
+        servers = ServerTargets.from_flags(
+            endpoints=endpoint,
+            uds=uds,
+            api_key=api_key,
+            engine=engine.value,
+            parallel_size=inference_parallel_size,
+            weight_version=weight_version,
+        )
+        if load_metas_file is not None:
+            # The seed script's join mode: `update.py --load-metas-file F`.
+            from ckptctl.pipeline.metas_jobs import JoinOptions, run_join
+
+            join = JoinOptions(
+                load_metas_file=str(load_metas_file),
+                checkpoint_name=checkpoint_name,
+                servers=servers,
+                allow_pickle=allow_pickle,
+                timeout=timeout,
+                verbose=verbose,
+            )
+            run_job_with_display(run_join, join, out)
+            return
         from ckptctl.pipeline.update import UpdateOptions, run_update
 
         opts = UpdateOptions(
             checkpoint_path=str(checkpoint_path),
             checkpoint_name=checkpoint_name,
-            servers=ServerTargets.from_flags(
-                endpoints=endpoint,
-                uds=uds,
-                api_key=api_key,
-                engine=engine.value,
-                parallel_size=inference_parallel_size,
-                weight_version=weight_version,
-            ),
+            servers=servers,
             update_method=update_method.value,
             split=split.value,
             save_metas_file=str(save_metas_file) if save_metas_file else None,
@@ -154,6 +202,7 @@ def update_command(
         run_job_with_display(run_update, opts, out)
         return
 
+    assert checkpoint_path is not None
     checkpoint = read_checkpoint(checkpoint_path)
     plan = plan_split(checkpoint, world, split.value)
     show_plan(out, plan)

@@ -43,7 +43,7 @@ def run_save_metas(
 
     def body(job: Job) -> dict[str, Any]:
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split)
-        session = stages.start_parameter_server(job, p2p=missing is None)
+        session = stages.start_parameter_server(job, p2p="optional" if missing is None else "off")
         stages.register_share(
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode
         )
@@ -63,7 +63,7 @@ def run_save_metas(
             "total_bytes": checkpoint.total_bytes,
             "tensors": len(checkpoint.tensors),
             "joinable": session.p2p_enabled,
-            "why_not_joinable": None if session.p2p_enabled else missing,
+            "why_not_joinable": None if session.p2p_enabled else (missing or session.p2p_error),
             "served": ended,
             "ranks": ranks,
         }
@@ -107,7 +107,7 @@ def run_join(opts: JoinOptions, reporter: Reporter, *, debug: bool = False) -> d
     assignment = servers.assign(launch)
 
     def body(job: Job) -> dict[str, Any]:
-        session = stages.start_parameter_server(job, p2p=True)
+        session = stages.start_parameter_server(job, p2p="required")
         stages.wait_for_server(job, assignment, servers.engine)
         stages.gather_metas(job, session, opts.checkpoint_name)  # our own pool is empty
         session.load_metas(metas_file.metas)

@@ -40,7 +40,7 @@ def p2p_missing() -> str | None:
     except (ImportError, ValueError):
         found = False
     if not found:
-        return "mooncake is not installed (pip install 'ckptctl[p2p]')"
+        return "mooncake is not installed (pip install 'checkpoint-engine[p2p]')"
     if not (
         glob.glob("/sys/class/infiniband/*")
         or os.environ.get("PS_P2P_STORE_RDMA_DEVICES")
@@ -91,8 +91,10 @@ def last_line(traceback_text: str) -> str:
 class ParameterServerSession:
     """One rank's ParameterServer and what we need around it."""
 
-    def __init__(self, *, p2p: bool, io_timeout: Callable[[], float]) -> None:
-        if not p2p:
+    def __init__(self, *, p2p: str, io_timeout: Callable[[], float]) -> None:
+        """p2p: "off" (mooncake is never imported), "optional" (use it if it starts: joinable
+        metas), or "required" (p2p/all updates, join)."""
+        if p2p == "off":
             block_mooncake()
         import torch
 
@@ -104,8 +106,21 @@ class ParameterServerSession:
         from checkpoint_engine.ps import ParameterServer
 
         self._io_timeout = io_timeout
-        self.ps = ParameterServer(auto_pg=True)
-        if p2p and self.ps._p2p_store is None:
+        self.p2p_error: str | None = None
+        try:
+            self.ps = ParameterServer(auto_pg=True)
+        except (RuntimeError, OSError) as exc:
+            # mooncake installed but no usable NIC (checkpoint-engine issue #1) raises here
+            # for every method: when p2p was only a nicety, retry without it.
+            if p2p != "optional":
+                raise OperationFailed(
+                    f"checkpoint-engine's parameter server did not start: {exc}"
+                    + ("" if p2p == "off" else " (p2p needs a working RDMA NIC)")
+                ) from exc
+            self.p2p_error = str(exc)
+            block_mooncake()
+            self.ps = ParameterServer(auto_pg=True)
+        if p2p == "required" and self.ps._p2p_store is None:
             raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
         self.sockets: list[ReplyWatchingSocket] = []
         self._wrap_socket_factory()

@@ -76,7 +76,7 @@ def check_same_plan(job: Job, plan: Any, checkpoint_path: str) -> None:
             )
 
 
-def start_parameter_server(job: Job, *, p2p: bool) -> Any:
+def start_parameter_server(job: Job, *, p2p: str) -> Any:
     from ckptctl.pipeline.parameter_server import ParameterServerSession
 
     with job.reporter.stage("start", "starting checkpoint-engine's parameter server"):

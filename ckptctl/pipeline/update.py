@@ -47,7 +47,10 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             f"{missing}; use --update-method broadcast"
         )
     # Broadcast never touches mooncake, unless the metas being saved should be joinable.
-    p2p = opts.update_method != "broadcast" or (bool(opts.save_metas_file) and missing is None)
+    if opts.update_method != "broadcast":
+        p2p = "required"
+    else:
+        p2p = "optional" if opts.save_metas_file and missing is None else "off"
 
     def body(job: Job) -> dict[str, Any]:
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split)
