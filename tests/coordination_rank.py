@@ -57,6 +57,19 @@ def main(scenario: str) -> None:
         watchdog.stop()
         print("plans agree", flush=True)
         return
+    if scenario == "barrier":
+        # Rank 0 (the group leader waiting for a slow server) arrives 3 s late; the others
+        # wait at the barrier, with heartbeats going on (stale after 3 s would fire otherwise).
+        if launch.rank == 0:
+            time.sleep(3.0)
+        t0 = time.monotonic()
+        coordinator.barrier("servers-up", timeout_s=30)
+        print(
+            f"rank {launch.rank} passed the barrier after {time.monotonic() - t0:.1f}s", flush=True
+        )
+        time.sleep(1.0)
+        watchdog.stop()
+        return
     if scenario == "fail" and launch.rank == 1:
         time.sleep(1.0)
         watchdog.fail(1, "the server refused the update: HTTP 400: boom")

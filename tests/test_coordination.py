@@ -126,3 +126,14 @@ def test_a_rank_dying_on_another_node_is_noticed_by_heartbeats() -> None:
     assert node0.returncode != 0
     assert "rank 1 stopped responding" in err0 or "lost contact with the job's store" in err0
     assert took < 45
+
+
+def test_barrier_waits_for_a_late_rank_without_starving_heartbeats() -> None:
+    r, took = _torchrun("barrier", 3)
+    assert r.returncode == 0, r.stderr
+    waits = sorted(
+        float(line.split()[-1][:-1]) for line in r.stdout.splitlines() if "passed" in line
+    )
+    assert len(waits) == 3
+    assert waits[-1] >= 2.5  # ranks 1 and 2 really waited for rank 0
+    assert "stopped responding" not in r.stderr
