@@ -153,6 +153,24 @@ def update_command(
         )
     if load_metas_file is None and checkpoint_path is None:
         raise UsageError("--checkpoint-path is required (or --load-metas-file, to join)")
+    if load_metas_file is not None:  # the seed script's join mode: `update.py --load-metas-file F`
+        from ckptctl.cli.join import join_command
+
+        return join_command(
+            load_metas_file=load_metas_file,
+            endpoint=endpoint,
+            uds=uds,
+            inference_parallel_size=inference_parallel_size,
+            checkpoint_name=checkpoint_name,
+            engine=engine,
+            weight_version=weight_version,
+            allow_pickle=allow_pickle,
+            timeout=timeout,
+            api_key=api_key,
+            verbose=verbose,
+            json_output=json_output,
+            quiet=quiet,
+        )
     if not dry_run:
         if world_size is not None and not launch.under_torchrun:
             raise UsageError(
@@ -169,20 +187,6 @@ def update_command(
             parallel_size=inference_parallel_size,
             weight_version=weight_version,
         )
-        if load_metas_file is not None:
-            # The seed script's join mode: `update.py --load-metas-file F`.
-            from ckptctl.pipeline.metas_jobs import JoinOptions, run_join
-
-            join = JoinOptions(
-                load_metas_file=str(load_metas_file),
-                checkpoint_name=checkpoint_name,
-                servers=servers,
-                allow_pickle=allow_pickle,
-                timeout=timeout,
-                verbose=verbose,
-            )
-            run_job_with_display(run_join, join, out)
-            return
         from ckptctl.pipeline.update import UpdateOptions, run_update
 
         opts = UpdateOptions(
