@@ -214,6 +214,14 @@ class _Update:
             raise
 
 
+def _outcome(run_errors: list[str], errors: list[str]) -> dict[str, list[str]]:
+    """`run` errors that checkpoint-engine swallowed (the worker call returned normally) apart
+    from errors that ended the worker call."""
+    if errors:
+        return {"swallowed_errors": [], "errors": run_errors + errors}
+    return {"swallowed_errors": run_errors, "errors": []}
+
+
 def _verify(params: dict[str, Any], ckpt: str, device: Any) -> list[str]:
     """Names whose bytes on the GPU differ from the checkpoint on disk."""
     import torch
@@ -294,6 +302,15 @@ def _worker_main(ckpt: str, device: int, conn: Connection) -> None:
         finally:
             ctx.destroy(linger=0)
         seconds = time.monotonic() - t0
+
+        def outcome() -> dict[str, Any]:
+            # `run` errors that checkpoint-engine swallowed (the worker call returned normally)
+            swallowed = [] if errors else up.run_errors
+            return {
+                "swallowed_errors": swallowed,
+                "errors": up.run_errors + errors if errors else [],
+            }
+
         loaded = {
             "device": device,
             "uuid": uuid,
@@ -304,11 +321,10 @@ def _worker_main(ckpt: str, device: int, conn: Connection) -> None:
             "seconds": round(seconds, 6),
             "verify_seconds": None,
             "mismatches": [],
-            "missing": [],
-            "unexpected": [],
-            "duplicates": [],
-            "swallowed_errors": [] if errors else up.run_errors,
-            "errors": up.run_errors + errors if errors else [],
+            "missing": sorted(n for n in params if n not in up.counts),
+            "unexpected": sorted(set(up.unexpected)),
+            "duplicates": sorted(n for n, c in up.counts.items() if c > 1),
+            **_outcome(up.run_errors, errors),
         }
         # The HTTP answer goes out now (a real server answers once the load is over); the
         # bit-for-bit check follows and /receiver/report waits for it.
@@ -320,24 +336,14 @@ def _worker_main(ckpt: str, device: int, conn: Connection) -> None:
                 mismatches = _verify(params, ckpt, dev)
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"verify: {_short(exc)}")
-        report = {
-            "device": device,
-            "uuid": uuid,
-            "update": seq,
-            "tensors_received": sum(up.counts.values()),
-            "bytes": up.bytes,
-            "buckets": up.buckets,
-            "seconds": round(seconds, 6),
-            "verify_seconds": round(time.monotonic() - t1, 6),
+        verify_seconds = round(time.monotonic() - t1, 6)
+        verified = {
+            **loaded,
+            "verify_seconds": verify_seconds,
             "mismatches": mismatches,
-            "missing": sorted(n for n in params if n not in up.counts),
-            "unexpected": sorted(set(up.unexpected)),
-            "duplicates": sorted(n for n, c in up.counts.items() if c > 1),
-            # `run` errors that checkpoint-engine swallowed (the worker call returned normally)
-            "swallowed_errors": [] if errors else up.run_errors,
-            "errors": up.run_errors + errors if errors else [],
+            **_outcome(up.run_errors, errors),
         }
-        conn.send(("done", seq, report))
+        conn.send(("done", seq, verified))
 
 
 # -- the parent: HTTP server + worker pool -------------------------------------------------
