@@ -303,14 +303,6 @@ def _worker_main(ckpt: str, device: int, conn: Connection) -> None:
             ctx.destroy(linger=0)
         seconds = time.monotonic() - t0
 
-        def outcome() -> dict[str, Any]:
-            # `run` errors that checkpoint-engine swallowed (the worker call returned normally)
-            swallowed = [] if errors else up.run_errors
-            return {
-                "swallowed_errors": swallowed,
-                "errors": up.run_errors + errors if errors else [],
-            }
-
         loaded = {
             "device": device,
             "uuid": uuid,
