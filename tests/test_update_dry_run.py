@@ -212,12 +212,15 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_print_one_plan() -> None:
+@pytest.mark.parametrize("launch", ["--no-python", "-m"])
+def test_torchrun_two_ranks_print_one_plan(launch: str) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
+    # `torchrun --no-python ckptctl ...` and `torchrun -m ckptctl ...` run the same CLI.
+    program = [script()] if launch == "--no-python" else ["ckptctl"]
     cmd = [
         str(torchrun if torchrun.exists() else "torchrun"),
-        *("--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python"),
-        script(),
+        *("--nproc-per-node", "2", "--master-port", str(free_port()), launch),
+        *program,
         *dry_run("--checkpoint-path", str(TINY), "--json"),
     ]
     done = subprocess.run(
