@@ -43,9 +43,10 @@ def run_save_metas(
 
     def body(job: Job) -> dict[str, Any]:
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split)
+        reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
         session = stages.start_parameter_server(job, p2p="optional" if missing is None else "off")
         stages.register_share(
-            job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode
+            job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
         )
         stages.gather_metas(job, session, opts.checkpoint_name)
         stages.save_metas(job, session, opts.metas_file, opts.checkpoint_name)

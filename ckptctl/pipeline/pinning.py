@@ -19,6 +19,7 @@ the order of their offsets.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -139,23 +140,48 @@ def pin_in_place(buffer: torch.Tensor) -> None:
         )
 
 
+class ShareReader:
+    """Reads a share in the background: reading needs no CUDA, so it can overlap the
+    ParameterServer's start-up (CUDA context, store rendezvous). `result` waits, then pins."""
+
+    def __init__(
+        self, checkpoint: Checkpoint, tensors: list[TensorInfo], threads: int = 16
+    ) -> None:
+        import torch
+
+        self.buckets = layout(tensors)
+        self._buffers = [torch.empty(b.size, dtype=torch.uint8) for b in self.buckets]
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-read")
+        self._started = time.perf_counter()
+        self.read_seconds: float | None = None
+        self._future = self._pool.submit(self._read, checkpoint, threads)
+
+    def _read(self, checkpoint: Checkpoint, threads: int) -> None:
+        fill(checkpoint, self.buckets, self._buffers, threads)
+        self.read_seconds = time.perf_counter() - self._started
+
+    def result(self, *, pin: bool) -> list[Any]:
+        """checkpoint-engine MemoryBuffers, pinned in place when `pin` (needs CUDA)."""
+        from checkpoint_engine.data_types import MemoryBuffer
+
+        try:
+            self._future.result()  # re-raises what the reading raised (InvalidInput...)
+        finally:
+            self._pool.shutdown(wait=True)
+        out = []
+        for bucket, buffer in zip(self.buckets, self._buffers, strict=True):
+            if pin and bucket.size:
+                pin_in_place(buffer)
+            out.append(
+                MemoryBuffer(
+                    buffer=buffer, size=bucket.size, metas=metas_of(bucket), manually_pinned=pin
+                )
+            )
+        return out
+
+
 def read_share(
     checkpoint: Checkpoint, tensors: list[TensorInfo], *, pin: bool, threads: int = 16
 ) -> list[Any]:
     """The share as checkpoint-engine MemoryBuffers: read, then (on a GPU) pinned in place."""
-    import torch
-    from checkpoint_engine.data_types import MemoryBuffer
-
-    buckets = layout(tensors)
-    buffers = [torch.empty(b.size, dtype=torch.uint8) for b in buckets]
-    fill(checkpoint, buckets, buffers, threads)
-    out = []
-    for bucket, buffer in zip(buckets, buffers, strict=True):
-        if pin and bucket.size:
-            pin_in_place(buffer)
-        out.append(
-            MemoryBuffer(
-                buffer=buffer, size=bucket.size, metas=metas_of(bucket), manually_pinned=pin
-            )
-        )
-    return out
+    return ShareReader(checkpoint, tensors, threads).result(pin=pin)

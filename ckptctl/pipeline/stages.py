@@ -86,8 +86,26 @@ def start_parameter_server(job: Job, *, p2p: str) -> Any:
 REGISTER_MODES = ("engine", "direct")
 
 
+REGISTER_MODES = ("engine", "direct")
+
+
+def prefetch_share(checkpoint: Any, share: Any, mode: str) -> Any | None:
+    """In direct mode, start reading the share now, while the ParameterServer starts."""
+    if mode != "direct":
+        return None
+    from ckptctl.pipeline.pinning import ShareReader
+
+    return ShareReader(checkpoint, list(share.tensors))
+
+
 def register_share(
-    job: Job, session: Any, name: str, checkpoint: Any, share: Any, mode: str = "engine"
+    job: Job,
+    session: Any,
+    name: str,
+    checkpoint: Any,
+    share: Any,
+    mode: str = "engine",
+    prefetched: Any | None = None,
 ) -> None:
     """engine: checkpoint-engine copies views of the file mapping into pinned buffers it
     allocates; direct: we pread into buffers and pin them in place (pinning.py)."""
@@ -95,9 +113,11 @@ def register_share(
     with job.reporter.stage("register", label, nbytes=share.bytes) as st:
         st.detail = f"{mode} registration"
         if mode == "direct":
-            from ckptctl.pipeline.pinning import read_share
+            from ckptctl.pipeline.pinning import ShareReader
 
-            session.register_buffers(name, read_share(checkpoint, list(share.tensors), pin=True))
+            reader = prefetched or ShareReader(checkpoint, list(share.tensors))
+            session.register_buffers(name, reader.result(pin=True))
+            st.detail += f" (read {reader.read_seconds:.2f}s, from before the PS start)"
             return
         from ckptctl.checkpoint import load_rank_tensors
 

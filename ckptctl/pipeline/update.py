@@ -54,9 +54,10 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
 
     def body(job: Job) -> dict[str, Any]:
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split)
+        reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
         session = stages.start_parameter_server(job, p2p=p2p)
         stages.register_share(
-            job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode
+            job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
         )
         stages.wait_for_server(job, assignment, servers.engine)
         stages.gather_metas(job, session, opts.checkpoint_name)
