@@ -107,7 +107,9 @@ def configure_engine_logging(verbose: bool, debug: bool) -> None:
     def fmt(record: Any) -> str:
         # A callable format: loguru then appends no traceback (our own error line says it).
         text = record["message"].replace("{", "{{").replace("}", "}}")
-        return f"[rank {rank}] checkpoint-engine: {text}\n" + ("{exception}" if debug else "")
+        # -v is for finding where the time goes: keep checkpoint-engine's own timeline.
+        when = f"{record['time']:%H:%M:%S.%f} " if verbose or debug else ""
+        return f"[rank {rank}] {when}checkpoint-engine: {text}\n" + ("{exception}" if debug else "")
 
     logger.add(sys.stderr, level=level, format=fmt, backtrace=debug, diagnose=False)
 
