@@ -70,6 +70,18 @@ def main(scenario: str) -> None:
         time.sleep(1.0)
         watchdog.stop()
         return
+    if scenario == "serve":
+        # save-metas' serving phase: the test signals rank 1 only; every rank must stop cleanly.
+        from ckptctl.pipeline.job import Job
+        from ckptctl.pipeline.stages import serve
+        from ckptctl.progress import Reporter
+
+        job = Job(launch, coordinator, watchdog, Reporter(print, primary=launch.rank == 0))
+        print(f"rank {launch.rank} pid {os.getpid()} serving", flush=True)
+        ended = serve(job, None)
+        print(f"rank {launch.rank}: {ended}", flush=True)
+        watchdog.stop()
+        return
     if scenario == "fail" and launch.rank == 1:
         time.sleep(1.0)
         watchdog.fail(1, "the server refused the update: HTTP 400: boom")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -137,3 +138,41 @@ def test_barrier_waits_for_a_late_rank_without_starving_heartbeats() -> None:
     assert len(waits) == 3
     assert waits[-1] >= 2.5  # ranks 1 and 2 really waited for rank 0
     assert "stopped responding" not in r.stderr
+
+
+def test_a_signal_to_one_serving_rank_stops_them_all_cleanly() -> None:
+    import re
+    import signal as signals
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            SCRIPT,
+            "serve",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    pids: dict[int, int] = {}
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        m = re.match(r"rank (\d) pid (\d+) serving", line)
+        if m:
+            pids[int(m.group(1))] = int(m.group(2))
+    time.sleep(0.5)
+    os.kill(pids[1], signals.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "rank 1: stopped by SIGTERM" in out
+    assert "rank 0: stopped by SIGTERM (on rank 1)" in out

@@ -81,6 +81,16 @@ class Coordinator:
         raw = self.store.get("abort")
         return json.loads(raw) if raw else None
 
+    # -- a clean, job-wide stop (serving ends) ------------------------------------------------------
+    def publish_stop(self, reason: str) -> None:
+        self.store.compare_set("stop", "", json.dumps({"reason": reason, "rank": self.launch.rank}))
+
+    def stopped(self) -> dict[str, Any] | None:
+        if not self.store.check(["stop"]):
+            return None
+        raw = self.store.get("stop")
+        return json.loads(raw) if raw else None
+
     # -- heartbeats --------------------------------------------------------------------------------
     def beat(self) -> None:
         self.store.add(f"hb/{self.launch.rank}", 1)

@@ -6,7 +6,6 @@ plan_share → start_parameter_server → register_share → wait_for_server →
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -292,20 +291,29 @@ def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, wa
 
 
 def serve(job: Job, seconds: float | None) -> str:
-    """Keep the registered weights up for joiners: `seconds`, or until SIGTERM/SIGINT."""
-    stop = threading.Event()
+    """Keep the registered weights up for joiners: `seconds`, or until SIGTERM/SIGINT.
+
+    A signal to any one rank stops them all, cleanly: the rank that got it says so in the
+    job's store, and the others see it there (rather than taking its silence for a crash).
+    """
     reason: list[str] = []
 
     def on_signal(sig: Any) -> None:
-        reason.append(sig.name)
-        stop.set()
+        reason.append(f"stopped by {sig.name}")
+        if job.coordinator is not None:
+            job.coordinator.publish_stop(reason[0])
 
     job.watchdog.on_signal = on_signal
     job.watchdog.deadline = float("inf")  # serving is not bounded by --timeout
     how = f"for {seconds:g}s" if seconds is not None else "until SIGTERM/SIGINT"
     job.reporter.log(f"serving the registered weights {how}")
+    end = time.monotonic() + (seconds if seconds is not None else float("inf"))
     try:
-        stop.wait(seconds)
+        while not reason and time.monotonic() < end:
+            time.sleep(min(0.2, max(end - time.monotonic(), 0)))
+            stopped = job.coordinator.stopped() if job.coordinator is not None else None
+            if stopped is not None and not reason:
+                reason.append(f"{stopped['reason']} (on rank {stopped['rank']})")
     finally:
         job.watchdog.on_signal = None
-    return f"stopped by {reason[0]}" if reason else "time is up"
+    return reason[0] if reason else "time is up"
