@@ -82,12 +82,6 @@ def start_parameter_server(job: Job, *, p2p: str) -> Any:
         return ParameterServerSession(p2p=p2p, io_timeout=job.watchdog.remaining)
 
 
-REGISTER_MODES = ("engine", "direct")
-
-
-REGISTER_MODES = ("engine", "direct")
-
-
 def prefetch_share(checkpoint: Any, share: Any, mode: str) -> Any | None:
     """In direct mode, start reading the share now, while the ParameterServer starts."""
     if mode != "direct":
