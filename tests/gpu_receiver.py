@@ -85,6 +85,9 @@ class ReceiverConfig:
     # Refill every parameter with dummy bytes before each update, so that a tensor an update
     # failed to deliver shows as a mismatch even if an earlier update had delivered it.
     scrub: bool = True
+    # Verify against this checkpoint instead of the one the receiver started with (same
+    # names, dtypes and shapes): for a job that pushes one checkpoint after another.
+    verify_against: str | None = None
     # Mimic checkpoint-engine 0.4.2 + SGLang exactly: an error raised by `run` that the
     # worker call swallowed (last bucket) does not fail the HTTP answer (it still shows in
     # the report). Off by default: the receiver answers 400, as the task asks.
@@ -325,7 +328,7 @@ def _worker_main(ckpt: str, device: int, conn: Connection) -> None:
         t1 = time.monotonic()
         if cfg["verify"]:
             try:
-                mismatches = _verify(params, ckpt, dev)
+                mismatches = _verify(params, cfg.get("verify_against") or ckpt, dev)
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"verify: {_short(exc)}")
         verify_seconds = round(time.monotonic() - t1, 6)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from ckptctl import __version__
-from ckptctl.cli import join, metas, save_metas, update, wait_ready
+from ckptctl.cli import join, metas, save_metas, serve, update, wait_ready
 from ckptctl.cli._errors import (
     handle_errors,
     install_signal_handlers,
@@ -54,6 +54,9 @@ app.command("update", epilog=EXIT_CODES_HELP)(handle_errors(update.update_comman
 app.command("save-metas", epilog=EXIT_CODES_HELP)(handle_errors(save_metas.save_metas_command))
 app.command("join", epilog=EXIT_CODES_HELP)(handle_errors(join.join_command))
 app.command("inspect-metas", epilog=EXIT_CODES_HELP)(handle_errors(metas.inspect_metas_command))
+app.command("serve", epilog=EXIT_CODES_HELP)(handle_errors(serve.serve_command))
+app.command("push", epilog=EXIT_CODES_HELP)(handle_errors(serve.push_command))
+app.command("status", epilog=EXIT_CODES_HELP)(handle_errors(serve.status_command))
 
 
 def main() -> None:

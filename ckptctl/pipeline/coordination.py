@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from ckptctl import results
-from ckptctl.errors import ExitCode, print_error
+from ckptctl.errors import ExitCode, OperationFailed, print_error
 from ckptctl.launch import LaunchInfo
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -44,9 +44,29 @@ def _store_prefix() -> str:
 class Coordinator:
     """Cross-rank signals kept in a torch.distributed store."""
 
-    def __init__(self, store: Any, launch: LaunchInfo) -> None:
+    def __init__(self, store: Any, launch: LaunchInfo, *, scope: str = "") -> None:
         self.store = store
         self.launch = launch
+        self.scope = scope  # set for a scoped view: its waits also end on its own abort key
+
+    def scoped(self, name: str) -> Coordinator:
+        """A view whose keys live under `name/` (one per push of a long-lived job), so that
+        keys of one push never answer the waits of the next."""
+        from torch.distributed import PrefixStore
+
+        return Coordinator(PrefixStore(f"{name}/", self.store), self.launch, scope=name)
+
+    @classmethod
+    def local(cls, launch: LaunchInfo) -> Coordinator:
+        """A store of our own for a job of one process (a long-lived job still needs one)."""
+        import socket
+
+        from torch.distributed import TCPStore
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return cls(TCPStore("127.0.0.1", port, 1, True, wait_for_workers=False), launch)
 
     @classmethod
     def connect(cls, launch: LaunchInfo, timeout_s: float) -> Coordinator | None:
@@ -109,6 +129,10 @@ class Coordinator:
         its calls, and a long wait would starve the watchdog's heartbeats on the same client."""
         deadline = time.monotonic() + max(timeout_s, 1.0)
         while not self.store.check(keys):
+            if self.scope:
+                abort = self.aborted()
+                if abort is not None:  # a rank gave up on this push: so do we
+                    raise OperationFailed(f"rank {abort['rank']} failed: {abort['message']}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ranks did not reach {keys[0].rsplit('/', 1)[0]} in time")
             time.sleep(0.05)

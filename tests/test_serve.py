@@ -1,0 +1,103 @@
+"""A real torchrun `serve` job on CPU driven through its control socket by `ckptctl push` and
+`ckptctl status`: commands reach every rank in order, a failed push leaves the job serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import run_script
+from fake_server import free_port
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
+SCRIPT = str(Path(__file__).with_name("serve_rank.py"))
+
+pytestmark = pytest.mark.slow
+
+
+def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
+    sock = str(short_tmp / "serve.sock")
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            SCRIPT,
+            sock,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert os.path.exists(sock), "the control socket never appeared"
+
+        good = run_script(
+            "push",
+            "--control-socket",
+            sock,
+            "--checkpoint-path",
+            str(TINY),
+            "--checkpoint-name",
+            "step-1",
+            "--json",
+            timeout=60,
+        )
+        assert good.returncode == 0, good.stderr
+        doc = json.loads(good.stdout)
+        assert doc["ok"] and doc["seq"] == 1
+        assert sum(r["tensors"] for r in doc["ranks"]) == 25  # every tensor, once, over 2 ranks
+
+        bad = run_script(
+            "push",
+            "--control-socket",
+            sock,
+            "--checkpoint-path",
+            str(short_tmp / "missing"),
+            timeout=60,
+        )
+        assert bad.returncode == 3
+        assert "missing" in bad.stderr
+
+        again = run_script(
+            "push", "--control-socket", sock, "--checkpoint-path", str(TINY), timeout=60
+        )
+        assert again.returncode == 0, again.stderr  # the job is still usable
+
+        status = run_script("status", "--control-socket", sock, "--json", timeout=30)
+        assert status.returncode == 0
+        st = json.loads(status.stdout)
+        assert st["state"] == "idle" and st["commands"] == 3 and st["world_size"] == 2
+        assert st["last"]["ok"] and st["last"]["seq"] == 3
+
+        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
+            assert client.post("http://serve/stop").json() == {"ok": True}
+        out, err = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err
+    assert "rank 1: stopped by a client (POST /stop)" in out
+    assert not os.path.exists(sock)
+
+
+def test_push_without_a_serve_job_says_so(short_tmp: Path) -> None:
+    r = run_script(
+        "push", "--control-socket", str(short_tmp / "none.sock"), "--checkpoint-path", str(TINY)
+    )
+    assert r.returncode == 1 and "no serve job answers" in r.stderr
