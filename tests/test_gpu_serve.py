@@ -100,6 +100,14 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
                         timeout=60,
                     )
                     assert bad.returncode == 3
+                if i == 6:  # the server refuses (HTTP 400): this push fails, the job goes on
+                    rx.set_config(refuse="IPC weight update failed: busy")
+                    refused = run_script(
+                        "push", "--control-socket", sock, "--checkpoint-path", str(ck), timeout=120
+                    )
+                    rx.set_config(refuse=None)
+                    assert refused.returncode == 1, refused.stderr
+                    assert "refused the update: HTTP 400" in refused.stderr
             with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
                 client.post("http://serve/stop")
             out, err = job.communicate(timeout=60)

@@ -62,6 +62,10 @@ class ReplyWatchingSocket:
         # The PS ends every transfer with None, None; the reply to the second means the
         # server's worker has loaded everything and run its post-hook.
         self.finished = threading.Event()
+        # Set once the first message (the IPC handle) has left: a peer (the server's worker)
+        # has connected. Until then a stand-in peer can end the transfer (see `rescue`).
+        self.handle_sent = threading.Event()
+        self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
         socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
@@ -69,7 +73,9 @@ class ReplyWatchingSocket:
     def send_pyobj(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
         if obj is None:
             self._nones_sent += 1
-        return self._socket.send_pyobj(obj, *args, **kwargs)
+        sent = self._socket.send_pyobj(obj, *args, **kwargs)
+        self.handle_sent.set()
+        return sent
 
     def recv(self, *args: Any, **kwargs: Any) -> bytes:
         reply = self._socket.recv(*args, **kwargs)
@@ -81,6 +87,42 @@ class ReplyWatchingSocket:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._socket, name)
+
+
+RESCUE_PREFIX = "ckptctl: the push failed"
+
+
+def rescue(endpoint: str, message: str, timeout_s: float = 30.0) -> threading.Thread:
+    """End a transfer whose server never connected, without ending the process.
+
+    checkpoint-engine's REQ socket blocks until a peer connects. When the server refused (and
+    so never will), a REP socket of ours connects in its place, takes the IPC handle (as raw
+    bytes: never unpickled), answers with an error, and takes the abort message that follows:
+    checkpoint-engine then fails the update on every rank through its own error path, and the
+    ParameterServer stays usable for the next push.
+    """
+    import zmq
+
+    def run() -> None:
+        ctx = zmq.Context()
+        rep = ctx.socket(zmq.REP)
+        rep.setsockopt(zmq.LINGER, 0)
+        rep.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        rep.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        try:
+            rep.connect(endpoint)
+            rep.recv()  # the IPC handle
+            rep.send(f"{RESCUE_PREFIX}: {message}".encode())
+            rep.recv()  # the PS's "workers failed" notice; nothing is answered after it
+        except zmq.ZMQError:
+            pass  # the PS gave up first: nothing left to end
+        finally:
+            rep.close()
+            ctx.term()
+
+    thread = threading.Thread(target=run, name="ckptctl-rescue", daemon=True)
+    thread.start()
+    return thread
 
 
 def last_line(traceback_text: str) -> str:
@@ -177,6 +219,14 @@ class ParameterServerSession:
     @property
     def p2p_enabled(self) -> bool:
         return self.ps._p2p_store is not None
+
+    def rescue(self, message: str) -> bool:
+        """End the current transfer if its server never connected (see `rescue`); False when a
+        worker is already attached (then only ending the process frees the PS)."""
+        if not self.sockets or self.sockets[-1].handle_sent.is_set():
+            return False
+        rescue(self.sockets[-1].endpoint, message)
+        return True
 
     def wait_transfer_finished(self, timeout: float) -> bool:
         """Wait until the current transfer's last reply came back (called from the req thread)."""

@@ -19,12 +19,13 @@ checkpoint, a server that is not up) ends that push on every rank and the job go
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socketserver
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -274,6 +275,64 @@ class ServeOptions:
     verbose: bool = False
 
 
+class PushFailure:
+    """A push that fails during the transfer, without ending the job.
+
+    The leader's request thread calls it with the server's refusal; every rank's watcher sees
+    it in the push's store scope. Each rank then ends its own blocked transfer with a stand-in
+    peer (parameter_server.rescue); where a worker had already connected that cannot work, and
+    the watchdog ends the job as `update` would.
+    """
+
+    def __init__(self, job: Job, session: Any) -> None:
+        self.job = job
+        self.session = session
+        self.code: int | None = None
+        self.message = ""
+        self._handled = threading.Event()
+
+    def __call__(self, code: int, message: str) -> None:
+        assert self.job.coordinator is not None
+        self.job.coordinator.publish_abort(code, message)
+        self._end_transfer(code, message)
+
+    def _end_transfer(self, code: int, message: str) -> None:
+        if self._handled.is_set():
+            return
+        self._handled.set()
+        self.code, self.message = code, message
+        if not self.session.rescue(message):
+            self.job.watchdog.fail(code, f"{message} (the transfer had started: the job ends)")
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """While the update runs, end it here too when another rank's push failed."""
+        done = threading.Event()
+
+        def watch() -> None:
+            assert self.job.coordinator is not None
+            while not done.wait(0.1):
+                abort = self.job.coordinator.aborted()
+                if abort is not None:
+                    self._end_transfer(int(abort["code"]), str(abort["message"]))
+                    return
+
+        thread = threading.Thread(target=watch, name="ckptctl-push-watch", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join(timeout=5)
+
+    def raise_if_failed(self) -> None:
+        if self.code is None:
+            return
+        from ckptctl.errors import DeadlineExceeded, OperationFailed
+
+        raise (DeadlineExceeded if self.code == ExitCode.TIMEOUT else OperationFailed)(self.message)
+
+
 def gpu_executor(
     opts: ServeOptions, session: Any, assignment: Any, state: dict[str, Any]
 ) -> Executor:
@@ -295,22 +354,29 @@ def gpu_executor(
                 from dataclasses import replace
 
                 servers = replace(servers, weight_version=command["weight_version"])
+            failure = PushFailure(job, session)
             request = stages.ServerRequest(
                 assignment,
                 servers,
                 job.watchdog,
                 timeout=opts.push_timeout,
                 transfer_finished=session.wait_transfer_finished,
+                on_failure=failure,
             )
-            stages.push(
-                job,
-                session,
-                name,
-                request,
-                broadcast=True,
-                p2p_ranks=None,
-                nbytes=checkpoint.total_bytes,
-            )
+            with failure.watching():
+                try:
+                    stages.push(
+                        job,
+                        session,
+                        name,
+                        request,
+                        broadcast=True,
+                        p2p_ranks=None,
+                        nbytes=checkpoint.total_bytes,
+                    )
+                except CkptctlError:
+                    failure.raise_if_failed()  # the server's words, not the rescue's echo
+                    raise
             if servers.weight_version is not None:
                 stages.verify_weight_version(
                     job, assignment, servers.engine, servers.weight_version

@@ -186,8 +186,12 @@ class ServerRequest:
         *,
         timeout: float,
         transfer_finished: Callable[[float], bool],
+        on_failure: Callable[[int, str], None] | None = None,
     ) -> None:
         self.assignment = assignment
+        # Where a failure goes: by default the watchdog, which ends every rank; a long-lived
+        # job ends just the push instead (serve.py).
+        self.fail = on_failure or watchdog.fail
         self.engine = servers.engine
         self.weight_version = servers.weight_version
         self.watchdog = watchdog
@@ -204,9 +208,7 @@ class ServerRequest:
         try:
             self._request(address, group_handles(socket_paths, self.assignment.members))
         except Exception as exc:  # noqa: BLE001 - never let checkpoint-engine's thread swallow it
-            self.watchdog.fail(
-                ExitCode.FAILED, f"update request failed: {type(exc).__name__}: {exc}"
-            )
+            self.fail(ExitCode.FAILED, f"update request failed: {type(exc).__name__}: {exc}")
 
     def _request(self, address: ServerAddress, handles: dict[str, str]) -> None:
         from ckptctl.server import UpdateRefused, describe_failure, push_update
@@ -217,17 +219,17 @@ class ServerRequest:
                 address, self.engine, handles, weight_version=self.weight_version, timeout=left
             )
         except UpdateRefused as exc:
-            self.watchdog.fail(ExitCode.FAILED, f"{address.describe()} refused the update: {exc}")
+            self.fail(ExitCode.FAILED, f"{address.describe()} refused the update: {exc}")
             return
         except httpx.TimeoutException:
-            self.watchdog.fail(
+            self.fail(
                 ExitCode.TIMEOUT,
                 f"timed out after {self.timeout:g}s: {address.describe()} did not finish "
                 "the update; raise --timeout if the server is just slow",
             )
             return
         except httpx.HTTPError as exc:
-            self.watchdog.fail(
+            self.fail(
                 ExitCode.FAILED,
                 f"update request to {address.describe()} failed: "
                 f"{describe_failure(exc, address, left)}",
@@ -237,7 +239,7 @@ class ServerRequest:
         # The server says it is done: the transfer on our side must end now too. If it does
         # not, the server answered without taking the weights (it never connected over IPC).
         if not self.transfer_finished(AFTER_ANSWER_GRACE_S):
-            self.watchdog.fail(
+            self.fail(
                 ExitCode.FAILED,
                 f"{address.describe()} answered success ({message!r}) but never took the weights "
                 "over IPC: check that its GPUs are the ones this job's ranks use",
