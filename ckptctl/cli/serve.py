@@ -62,7 +62,8 @@ def serve_command(
     Start it under torchrun like `update`; then, on the node, `ckptctl push --checkpoint-path
     DIR` pushes a checkpoint into the server(s), `ckptctl status` reports, and SIGTERM/SIGINT
     (or `POST /stop` on the control socket) ends it cleanly. A push that fails before the
-    transfer leaves the job serving; one that fails during the transfer ends it.
+    server's workers connect (bad checkpoint, server down or refusing) leaves the job serving;
+    one that fails after they connected ends it.
     """
     from ckptctl.cli._job_view import run_job_with_display
     from ckptctl.pipeline.groups import ServerTargets
