@@ -485,3 +485,25 @@ def test_nothing_listening_times_out_with_exit_4(sharded: Path) -> None:
     assert code != 0 and ("exitcode  : 4" in err or "exitcode: 4" in err), err[-3000:]
     assert took < 40
     _record("failure: no server, --timeout 10", {"exit_code": 4, "seconds": round(took, 2)})
+
+
+def test_consume_shm_files_pins_in_place_and_deletes_only_when_asked(sharded: Path) -> None:
+    shm = Path("/dev/shm") / f"ckptctl-consume-{os.getpid()}"
+    shutil.copytree(sharded, shm)
+    try:
+        with ReceiverServer(sharded, [0]) as rx:  # verified against the original files
+            code, _, err, _ = _torchrun(
+                1,
+                "--checkpoint-path",
+                str(shm),
+                "--inference-parallel-size",
+                "1",
+                "--endpoint",
+                rx.endpoint,
+                "--consume-shm-files",
+            )
+            assert code == 0, err[-4000:]
+            _assert_bit_exact(rx, sharded)
+        assert not list(shm.glob("*.safetensors"))  # consumed, as the flag says
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

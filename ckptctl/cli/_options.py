@@ -117,3 +117,13 @@ RegisterModeOpt = Annotated[
         "pinned in place (less host memory; experimental).",
     ),
 ]
+ConsumeShmOpt = Annotated[
+    bool,
+    typer.Option(
+        "--consume-shm-files",
+        help="For a checkpoint a trainer wrote into /dev/shm to be consumed: checkpoint-engine "
+        "pins each .safetensors file in place and DELETES it (no second copy in memory). The "
+        "files are gone afterwards. Whole files per rank (--split files). Without this flag "
+        "ckptctl never modifies or deletes checkpoint files.",
+    ),
+]

@@ -15,6 +15,7 @@ from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice, 
 from ckptctl.cli._options import (
     ApiKeyOpt,
     CheckpointNameOpt,
+    ConsumeShmOpt,
     EndpointsOpt,
     EngineOpt,
     InferenceParallelSizeOpt,
@@ -131,6 +132,7 @@ def update_command(
         ),
     ] = None,
     register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    consume_shm_files: ConsumeShmOpt = False,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -200,7 +202,7 @@ def update_command(
             timeout=timeout,
             bucket_size_gb=bucket_size_gb,
             mem_fraction=mem_fraction,
-            register_mode=register_mode.value,
+            register_mode="consume" if consume_shm_files else register_mode.value,
             verbose=verbose,
         )
         run_job_with_display(run_update, opts, out)

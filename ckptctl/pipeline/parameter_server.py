@@ -8,7 +8,8 @@
     error while the server loads it would otherwise pass as success;
   * sends and receives are bounded: a REQ socket with no peer blocks forever.
 - checkpoint files are never handed over as `files=`: for /dev/shm files checkpoint-engine
-  pins them in place and DELETES them. We hand over read-only views of the file mapping.
+  pins them in place and DELETES them. We hand over read-only views of the file mapping -
+  unless the user asks for exactly that with --consume-shm-files (register_files).
 
 This module imports torch and checkpoint-engine; the CLI imports it only inside `update`.
 """
@@ -192,6 +193,12 @@ class ParameterServerSession:
         if named_tensors:
             # named_tensors, never files=: see the module docstring (/dev/shm files get deleted).
             self.ps.register_checkpoint(name, named_tensors=named_tensors)
+
+    def register_files(self, name: str, files: list[str]) -> None:
+        """Whole files, pinned in place by checkpoint-engine: /dev/shm files are DELETED.
+        Only for `--consume-shm-files`, where the user asked for exactly that."""
+        if files:
+            self.ps.register_checkpoint(name, files=files, use_inplace_pin_memory=True)
 
     def register_buffers(self, name: str, buffers: list[Any]) -> None:
         """Take host buffers we filled and pinned ourselves (see pinning.py) as checkpoint `name`:

@@ -105,6 +105,11 @@ def register_share(
     label = "loading and pinning this rank's share"
     with job.reporter.stage("register", label, nbytes=share.bytes) as st:
         st.detail = f"{mode} registration"
+        if mode == "consume":
+            # checkpoint-engine pins /dev/shm files in place and deletes them (asked for with
+            # --consume-shm-files): whole files only, so the split must be by files.
+            session.register_files(name, [str(checkpoint.path_of(f)) for f in share.files])
+            return
         if mode == "direct":
             from ckptctl.pipeline.pinning import ShareReader
 

@@ -7,10 +7,11 @@ Every wait is bounded by the watchdog (see coordination.py); every failure ends 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptctl.errors import InvalidInput
+from ckptctl.errors import InvalidInput, UsageError
 from ckptctl.pipeline import stages
 from ckptctl.pipeline.groups import ServerTargets
 from ckptctl.pipeline.job import Job, prepare_environment, run_job
@@ -33,6 +34,21 @@ class UpdateOptions:
     verbose: bool = False
 
 
+def check_consume(checkpoint_path: str, register_mode: str, split: str) -> str:
+    """--consume-shm-files: only files in /dev/shm, and only whole files per rank."""
+    if register_mode != "consume":
+        return split
+    real = os.path.realpath(checkpoint_path)
+    if not real.startswith("/dev/shm/"):
+        raise UsageError(
+            f"--consume-shm-files pins and deletes files under /dev/shm only; {checkpoint_path} "
+            "is not there (drop the flag to leave the files alone)"
+        )
+    if split == "tensors":
+        raise UsageError("--consume-shm-files registers whole files: use --split files (or auto)")
+    return "files"
+
+
 def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) -> dict[str, Any]:
     """Run every stage on this rank. Returns the job's summary (complete on rank 0)."""
     from ckptctl.pipeline.parameter_server import p2p_missing
@@ -40,6 +56,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
     launch = prepare_environment(bucket_size_gb=opts.bucket_size_gb, mem_fraction=opts.mem_fraction)
     servers = opts.servers
     assignment = servers.assign(launch)
+    split = check_consume(opts.checkpoint_path, opts.register_mode, opts.split)
     missing = p2p_missing()
     if opts.update_method in ("p2p", "all") and missing:
         raise InvalidInput(
@@ -53,7 +70,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
         p2p = "optional" if opts.save_metas_file and missing is None else "off"
 
     def body(job: Job) -> dict[str, Any]:
-        checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split)
+        checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, split)
         reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
         session = stages.start_parameter_server(job, p2p=p2p)
         stages.register_share(
