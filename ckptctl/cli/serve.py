@@ -10,6 +10,7 @@ import typer
 from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
 from ckptctl.cli._options import (
     ApiKeyOpt,
+    ConsumeShmOpt,
     EndpointsOpt,
     EngineOpt,
     InferenceParallelSizeOpt,
@@ -118,6 +119,7 @@ def push_command(
         str | None, typer.Option("--checkpoint-name", help="Name to register it under.")
     ] = None,
     control_socket: ControlSocketOpt = None,
+    consume_shm_files: ConsumeShmOpt = False,
     timeout: Annotated[
         float, typer.Option("--timeout", min=1.0, help="Seconds to wait for the push (exit 4).")
     ] = 900.0,
@@ -134,6 +136,7 @@ def push_command(
             "checkpoint_path": str(checkpoint_path.resolve()),
             "weight_version": weight_version,
             "checkpoint_name": checkpoint_name,
+            "consume_shm_files": consume_shm_files,
         },
         timeout,
     )

@@ -161,6 +161,7 @@ class _ControlHandler(BaseHTTPRequestHandler):
             "checkpoint_path": doc["checkpoint_path"],
             "checkpoint_name": doc.get("checkpoint_name"),
             "weight_version": doc.get("weight_version"),
+            "consume_shm_files": bool(doc.get("consume_shm_files")),
         }
         seq = queue.submit(command)
         self._send(200, queue.wait_result(seq, self.server.push_timeout + 30.0))
@@ -343,9 +344,13 @@ def gpu_executor(
         name = command.get("checkpoint_name") or f"push-{command['seq']}"
         if name == state.get("registered"):
             name = f"{name}-{command['seq']}"  # the one being served is still registered
-        checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], opts.split)
-        reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
-        stages.register_share(job, session, name, checkpoint, share, opts.register_mode, reader)
+        from ckptctl.pipeline.update import check_consume
+
+        mode = "consume" if command.get("consume_shm_files") else opts.register_mode
+        split = check_consume(command["checkpoint_path"], mode, opts.split)
+        checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], split)
+        reader = stages.prefetch_share(checkpoint, share, mode)
+        stages.register_share(job, session, name, checkpoint, share, mode, reader)
         try:
             stages.wait_for_server(job, assignment, opts.servers.engine)
             stages.gather_metas(job, session, name)
