@@ -26,13 +26,14 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from ckptctl.errors import CkptctlError, ExitCode, UsageError
 from ckptctl.pipeline.coordination import Coordinator
 from ckptctl.pipeline.job import Job
+from ckptctl.progress import StageLog
 
 Executor = Callable[[Job, dict[str, Any]], dict[str, Any]]
 
@@ -196,13 +197,6 @@ def start_control_server(
 # -- the loop every rank runs --------------------------------------------------------------------
 
 
-@dataclass
-class ServeState:
-    registered: str | None = None
-    done: int = 0
-    results: list[dict[str, Any]] = field(default_factory=list)
-
-
 def serve_loop(
     job: Job,
     execute: Executor,
@@ -238,6 +232,7 @@ def serve_loop(
                 time.sleep(0.05)
                 continue
             job.watchdog.deadline = time.monotonic() + push_timeout
+            job.reporter.figures = StageLog()  # this push's stages only
             push_job = Job(
                 job.launch, job.coordinator.scoped(f"push{seq}"), job.watchdog, job.reporter
             )
