@@ -30,7 +30,8 @@ def run_job_with_display(
     if out.json_mode:
         out.result(summary)
     elif out.is_primary:
-        out.show(stage_table(summary))
+        # A job that reports per-rank stages gets the table; others (serve) one line.
+        out.show(stage_table(summary) if summary.get("ranks") else _one_line(summary))
     return summary
 
 
@@ -64,3 +65,7 @@ def stage_table(summary: dict[str, Any]) -> Any:
         cells.append(f"{rank['peak_rss_bytes'] / 1e9:.1f} GB")
         table.add_row(*cells)
     return table
+
+
+def _one_line(summary: dict[str, Any]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in summary.items() if k != "ok")

@@ -1,0 +1,189 @@
+"""The update pipeline's wiring across real torchrun ranks on CPU: the split, the store
+barrier and plan check, the group leaders' requests to real servers, the read-back, the
+figures gathered on rank 0, failures ending every rank. Only checkpoint-engine's
+ParameterServer is replaced (tests/cpu_ps_rank.py): it needs CUDA, and the GPU tests run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fake_server import Behaviour, FakeServer, free_port
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
+SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))
+
+pytestmark = pytest.mark.slow
+
+
+def _torchrun(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        SCRIPT,
+        "update",
+        "--checkpoint-path",
+        str(TINY),
+        "--timeout",
+        "60",
+        *args,
+    ]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return r, time.monotonic() - t0
+
+
+def _updates(server: FakeServer) -> list[dict]:
+    return [json.loads(r["body"]) for r in server.behaviour.requests if r["method"] == "POST"]
+
+
+def test_one_tp2_server_gets_one_request_with_both_handles() -> None:
+    with FakeServer(Behaviour()) as s:
+        r, _ = _torchrun(
+            "--inference-parallel-size",
+            "2",
+            "--endpoint",
+            s.endpoint,
+            "--weight-version",
+            "step-7",
+            "--json",
+        )
+        posts = _updates(s)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["ok"] and summary["world_size"] == 2 and len(summary["ranks"]) == 2
+    assert summary["ranks"][0]["stages"]["verify"]["detail"] == "weight version 'step-7'"
+    assert "wait_server" in summary["ranks"][1]["stages"]  # every rank met at the barrier
+    assert len(posts) == 1
+    assert set(posts[0]["zmq_handles"]) == {"GPU-fake-0", "GPU-fake-1"}
+    assert posts[0]["weight_version"] == "step-7"
+
+
+def test_two_tp1_servers_each_get_their_own_rank() -> None:
+    with FakeServer(Behaviour(profile="vllm")) as a, FakeServer(Behaviour(profile="vllm")) as b:
+        r, _ = _torchrun(
+            "--inference-parallel-size",
+            "1",
+            "--engine",
+            "vllm",
+            "--endpoint",
+            a.endpoint,
+            "--endpoint",
+            b.endpoint,
+        )
+        first, second = _updates(a), _updates(b)
+    assert r.returncode == 0, r.stderr
+    assert [p["args"][0] for p in first] == [{"GPU-fake-0": "ipc://@fake-0.sock"}]
+    assert [p["args"][0] for p in second] == [{"GPU-fake-1": "ipc://@fake-1.sock"}]
+
+
+def test_a_refusal_ends_both_ranks_with_the_servers_message() -> None:
+    with FakeServer(Behaviour(update_status=400, update_message="no room")) as s:
+        r, took = _torchrun("--inference-parallel-size", "2", "--endpoint", s.endpoint, "--json")
+    assert r.returncode != 0
+    assert "[rank 0] error:" in r.stderr and "refused the update: HTTP 400: no room" in r.stderr
+    assert "[rank 1] error: rank 0 failed" in r.stderr
+    assert json.loads(r.stdout)["exit_code"] == 1  # rank 0's one JSON document: the failure
+    assert took < 60
+
+
+def test_a_server_that_is_not_up_in_time_ends_both_ranks_with_exit_4() -> None:
+    r, took = _torchrun(
+        "--inference-parallel-size",
+        "2",
+        "--endpoint",
+        f"http://127.0.0.1:{free_port()}",
+        "--timeout",
+        "8",
+    )
+    assert r.returncode != 0
+    assert "exitcode  : 4" in r.stderr or "exitcode: 4" in r.stderr
+    assert took < 40
+
+
+def test_serve_pushes_and_survives_a_refused_push(short_tmp: Path) -> None:
+    import os
+
+    import httpx
+    from conftest import run_script
+
+    sock = str(short_tmp / "serve.sock")
+    with FakeServer(Behaviour()) as s:
+        job = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(free_port()),
+                SCRIPT,
+                "serve",
+                "--control-socket",
+                sock,
+                "--inference-parallel-size",
+                "2",
+                "--endpoint",
+                s.endpoint,
+                "--push-timeout",
+                "30",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(sock) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            ok = run_script(
+                "push",
+                "--control-socket",
+                sock,
+                "--checkpoint-path",
+                str(TINY),
+                "--weight-version",
+                "v1",
+                timeout=60,
+            )
+            assert ok.returncode == 0, ok.stderr
+            s.behaviour.update_status, s.behaviour.update_message = 400, "busy"
+            refused = run_script(
+                "push", "--control-socket", sock, "--checkpoint-path", str(TINY), timeout=60
+            )
+            s.behaviour.update_status = 200
+            assert refused.returncode == 1
+            assert "refused the update: HTTP 400: busy" in refused.stderr
+            again = run_script(
+                "push",
+                "--control-socket",
+                sock,
+                "--checkpoint-path",
+                str(TINY),
+                "--weight-version",
+                "v3",
+                timeout=60,
+            )
+            assert again.returncode == 0, again.stderr
+            assert s.behaviour.weight_version == "v3"
+            with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
+                client.post("http://serve/stop")
+            _, err = job.communicate(timeout=30)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert job.returncode == 0, err
