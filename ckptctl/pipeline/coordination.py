@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from ckptctl import results
-from ckptctl.errors import ExitCode, OperationFailed, print_error
+from ckptctl.errors import DeadlineExceeded, ExitCode, OperationFailed, print_error
 from ckptctl.launch import LaunchInfo
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -134,7 +134,8 @@ class Coordinator:
                 if abort is not None:  # a rank gave up on this push: so do we
                     raise OperationFailed(f"rank {abort['rank']} failed: {abort['message']}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks did not reach {keys[0].rsplit('/', 1)[0]} in time")
+                what = keys[0].rsplit("/", 1)[0]
+                raise DeadlineExceeded(f"timed out waiting for every rank to reach {what}")
             time.sleep(0.05)
 
     # -- figures -------------------------------------------------------------------------------------

@@ -132,7 +132,8 @@ def wait_for_server(job: Job, assignment: GroupAssignment, engine: str) -> None:
         if assignment.is_leader:
             st.detail = _wait_until_listening(job, assignment, engine)
         if job.coordinator is not None:
-            job.coordinator.barrier("servers-up", timeout_s=job.watchdog.remaining())
+            # A little past the deadline: the watchdog, which says which stage ran out, goes first.
+            job.coordinator.barrier("servers-up", timeout_s=job.watchdog.remaining() + 5)
 
 
 def _wait_until_listening(job: Job, assignment: GroupAssignment, engine: str) -> str:
