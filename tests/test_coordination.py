@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import torchrun_cmd
 from fake_server import free_port
 
 SCRIPT = str(Path(__file__).with_name("coordination_rank.py"))
@@ -18,20 +18,7 @@ SCRIPT = str(Path(__file__).with_name("coordination_rank.py"))
 def _torchrun(
     scenario: str, nproc: int = 2, *args: str
 ) -> tuple[subprocess.CompletedProcess[str], float]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        SCRIPT,
-        scenario,
-        *args,
-    ]
+    cmd = torchrun_cmd(SCRIPT, scenario, *args, nproc=nproc)
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return r, time.monotonic() - t0
@@ -97,23 +84,7 @@ def test_a_rank_dying_on_another_node_is_noticed_by_heartbeats() -> None:
 
     def node(rank: int) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--nproc-per-node",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-                SCRIPT,
-                "die",
-            ],
+            torchrun_cmd(SCRIPT, "die", nproc=1, nnodes=2, node_rank=rank, port=int(port)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -145,19 +116,7 @@ def test_a_signal_to_one_serving_rank_stops_them_all_cleanly() -> None:
     import signal as signals
 
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            SCRIPT,
-            "serve",
-        ],
+        torchrun_cmd(SCRIPT, "serve"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

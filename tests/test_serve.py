@@ -6,14 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import run_script
-from fake_server import free_port
+from conftest import run_script, torchrun_cmd, wait_for_path
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 SCRIPT = str(Path(__file__).with_name("serve_rank.py"))
@@ -24,28 +21,13 @@ pytestmark = pytest.mark.slow
 def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
     sock = str(short_tmp / "serve.sock")
     job = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            SCRIPT,
-            sock,
-        ],
+        torchrun_cmd(SCRIPT, sock),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(sock) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert os.path.exists(sock), "the control socket never appeared"
+        assert wait_for_path(sock), "the control socket never appeared"
 
         good = run_script(
             "push",

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import torchrun_cmd, wait_for_path
 from fake_server import Behaviour, FakeServer, free_port
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
@@ -21,24 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def _torchrun(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        SCRIPT,
-        "update",
-        "--checkpoint-path",
-        str(TINY),
-        "--timeout",
-        "60",
-        *args,
-    ]
+    cmd = torchrun_cmd(SCRIPT, "update", "--checkpoint-path", str(TINY), "--timeout", "60", *args)
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return r, time.monotonic() - t0
@@ -113,7 +96,6 @@ def test_a_server_that_is_not_up_in_time_ends_both_ranks_with_exit_4() -> None:
 
 
 def test_serve_pushes_and_survives_a_refused_push(short_tmp: Path) -> None:
-    import os
 
     import httpx
     from conftest import run_script
@@ -121,16 +103,7 @@ def test_serve_pushes_and_survives_a_refused_push(short_tmp: Path) -> None:
     sock = str(short_tmp / "serve.sock")
     with FakeServer(Behaviour()) as s:
         job = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(free_port()),
+            torchrun_cmd(
                 SCRIPT,
                 "serve",
                 "--control-socket",
@@ -141,15 +114,13 @@ def test_serve_pushes_and_survives_a_refused_push(short_tmp: Path) -> None:
                 s.endpoint,
                 "--push-timeout",
                 "30",
-            ],
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         try:
-            deadline = time.monotonic() + 60
-            while not os.path.exists(sock) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            assert wait_for_path(sock)
             ok = run_script(
                 "push",
                 "--control-socket",
