@@ -49,9 +49,6 @@ class Output:
     def warn(self, message: str) -> None:
         self.err.print(f"{self._prefix()}warning: {message}", style="yellow", markup=False)
 
-    def error(self, message: str) -> None:
-        self.err.print(f"{self._prefix()}error: {message}", style="bold red", markup=False)
-
     def result(self, doc: dict[str, Any]) -> None:
         """The command's JSON result: exactly one document on stdout, from rank 0."""
         if self.is_primary:

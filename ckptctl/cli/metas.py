@@ -9,6 +9,7 @@ import typer
 
 from ckptctl.cli._options import JsonOpt, QuietOpt
 from ckptctl.cli._output import Output
+from ckptctl.cli._plan_view import format_bytes
 from ckptctl.errors import OperationFailed
 
 if TYPE_CHECKING:
@@ -90,14 +91,6 @@ def _checkpoint_tensors(path: Path) -> list[CheckpointTensor]:
     ]
 
 
-def _human_bytes(n: int) -> str:
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    size, i = float(n), 0
-    while size >= 1024 and i < len(units) - 1:
-        size, i = size / 1024, i + 1
-    return f"{n} B" if i == 0 else f"{size:.2f} {units[i]}"
-
-
 def _show(out: Output, summary: MetasSummary) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -128,7 +121,7 @@ def _show(out: Output, summary: MetasSummary) -> None:
             str(r.rank),
             str(r.buffers),
             f"{r.parameters:,}",
-            _human_bytes(r.nbytes),
+            format_bytes(r.nbytes),
             Text(r.p2p_store_addr or "-"),
             Text(r.rdma_device or "-"),
         )
@@ -137,7 +130,7 @@ def _show(out: Output, summary: MetasSummary) -> None:
         "total",
         str(sum(r.buffers for r in summary.ranks)),
         f"{summary.total_parameters:,}",
-        _human_bytes(summary.total_bytes),
+        format_bytes(summary.total_bytes),
         "",
         "",
         style="bold",
@@ -148,7 +141,7 @@ def _show(out: Output, summary: MetasSummary) -> None:
     for col, justify in (("dtype", "left"), ("parameters", "right"), ("bytes", "right")):
         dtypes.add_column(col, justify=justify)  # type: ignore[arg-type]
     for dtype, (n, b) in summary.dtypes.items():
-        dtypes.add_row(dtype, f"{n:,}", _human_bytes(b))
+        dtypes.add_row(dtype, f"{n:,}", format_bytes(b))
     out.show(dtypes)
 
     if summary.largest:
@@ -163,7 +156,7 @@ def _show(out: Output, summary: MetasSummary) -> None:
             largest.add_column(col, justify=justify)  # type: ignore[arg-type]
         for t in summary.largest:
             largest.add_row(
-                Text(t.name), str(t.rank), t.dtype, str(list(t.shape)), _human_bytes(t.nbytes)
+                Text(t.name), str(t.rank), t.dtype, str(list(t.shape)), format_bytes(t.nbytes)
             )
         out.show(largest)
     if not summary.p2p_ready:
