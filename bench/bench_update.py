@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,19 +26,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+from fake_server import free_master_port, free_port  # noqa: E402
+
 GiB = 1 << 30
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the checkpoint ----------------------------------------------------------------------------
 
 
-def write_checkpoint(root: Path, model: str) -> tuple[int, int]:
+def write_checkpoint(root: Path, model: str, seed: int = 20261129) -> tuple[int, int]:
     """Write shards of random bytes (made on the GPU, fast) with real headers; (bytes, tensors)."""
     import torch
     from ckpt_factory import header_bytes, nbytes, shard, shard_names, write_index
@@ -49,7 +44,7 @@ def write_checkpoint(root: Path, model: str) -> tuple[int, int]:
     root.mkdir(parents=True, exist_ok=True)
     shards = shard(specs, 4 * GiB)
     names = shard_names(len(shards))
-    gen = torch.Generator(device="cuda").manual_seed(20261129)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     weight_map: dict[str, str] = {}
     total = 0
     for name, group in zip(names, shards, strict=True):
@@ -180,7 +175,7 @@ def run_update(ckpt: Path, tp: int, endpoint: str, extra: list[str]) -> dict[str
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(free_port()),
+        str(free_master_port()),
         "--no-python",
         "ckptctl",
         "update",

@@ -90,12 +90,12 @@ def torchrun_cmd(
     *program: str, nproc: int = 2, nnodes: int = 1, node_rank: int = 0, port: int | None = None
 ) -> list[str]:
     """A real `torchrun` (torch.distributed.run) of `program` on loopback."""
-    from fake_server import free_port
+    from fake_server import free_master_port
 
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(port or free_port()),
+        "--master-addr", "127.0.0.1", "--master-port", str(port or free_master_port()),
         *program,
     ]  # fmt: skip
 

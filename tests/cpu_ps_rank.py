@@ -64,7 +64,7 @@ class CpuParameterServerSession:
         if self.rescued is not None:
             raise OperationFailed(f"checkpoint-engine's update failed: {self.rescued}")
 
-    def unregister(self, name: str) -> None:
+    def unregister(self, name: str, pool: Any = None) -> None:
         self.registered.pop(name, None)
 
 

@@ -321,6 +321,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_master_port() -> int:
+    """A torchrun --master-port whose next port is free too: checkpoint-engine's store
+    listens on MASTER_PORT+1."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 def main() -> None:
     """`python tests/fake_server.py --port N --profile P` for manual runs and subprocess tests."""
     import argparse

@@ -52,3 +52,30 @@ def test_nothing_is_deleted_when_the_job_fails_first(shm_copy: Path) -> None:
     r = _update(shm_copy)
     assert r.exit_code == 1 and "no CUDA device" in r.stderr
     assert sorted(p.name for p in shm_copy.iterdir()) == before
+
+
+def test_a_checkpoint_in_place_pinning_cannot_serve_is_refused_untouched(tmp_path: Path) -> None:
+    """Mixed dtypes in two shards: checkpoint-engine packs a rank's files back to back, so the
+    second file's int64s land at odd offsets and the server cannot view them (seen on the H200
+    machine: "storage_offset() must be divisible by 8"). Refused with exit 3, nothing consumed."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    from ckpt_factory import mixed_tensors, write_real_checkpoint
+
+    path = Path("/dev/shm") / f"ckptctl-consume-mixed-{os.getpid()}"
+    mixed = mixed_tensors(seed=1)
+    names = sorted(mixed)  # two shards: safetensors aligns within a file, not across files
+    write_real_checkpoint(
+        path, [{n: mixed[n] for n in names[::2]}, {n: mixed[n] for n in names[1::2]}]
+    )
+    try:
+        before = {p.name: p.read_bytes() for p in path.iterdir()}
+        r = _update(path)
+        assert r.exit_code == 3, r.stderr
+        assert "alignment" in r.stderr and "drop --consume-shm-files" in r.stderr
+        assert [line for line in r.stderr.splitlines() if "error" in line] == [
+            r.stderr.strip().splitlines()[-1]
+        ]
+        assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

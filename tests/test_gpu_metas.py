@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from ckpt_factory import mixed_tensors, write_real_checkpoint
 from conftest import run_script
-from fake_server import free_port
+from fake_server import free_master_port
 from gpu_receiver import ReceiverServer
 
 pytestmark = [pytest.mark.gpu]
@@ -45,7 +45,7 @@ def _torchrun(*args: str) -> subprocess.Popen[str]:
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(free_port()),
+        str(free_master_port()),
         "--no-python",
         "ckptctl",
         *args,

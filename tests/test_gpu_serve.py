@@ -16,7 +16,7 @@ import pytest
 import torch
 from ckpt_factory import write_real_checkpoint
 from conftest import run_script
-from fake_server import free_port
+from fake_server import free_master_port
 from gpu_receiver import ReceiverServer
 
 pytestmark = [pytest.mark.gpu]
@@ -46,7 +46,7 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
                 "--master-addr",
                 "127.0.0.1",
                 "--master-port",
-                str(free_port()),
+                str(free_master_port()),
                 "--no-python",
                 "ckptctl",
                 "serve",

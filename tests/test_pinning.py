@@ -124,3 +124,41 @@ print(rss() - before)
     assert r.returncode == 0, r.stderr
     grew = int(r.stdout.strip().splitlines()[-1])
     assert (256 << 20) * 0.9 < grew < (256 << 20) * 1.25, f"RSS grew by {grew / 2**20:.0f} MiB"
+
+
+def _share_of(root: Path, seed: int) -> tuple[Path, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"w.{i}": torch.randn(256, 300, generator=g).to(torch.bfloat16) for i in range(4)}
+    tensors["norm"] = torch.randn(300, generator=g)
+    return write_real_checkpoint(root, [tensors]), tensors
+
+
+def _check_bytes(buffers: list, expected: dict[str, torch.Tensor]) -> None:  # type: ignore[type-arg]
+    for buf in buffers:
+        offset = 0
+        for meta in buf.metas:
+            want = expected[meta.name]
+            n = want.numel() * want.element_size()
+            got = buf.buffer[offset : offset + n]
+            assert torch.equal(got, want.reshape(-1).view(torch.uint8)), meta.name
+            offset += meta.aligned_size
+
+
+def test_a_pool_refills_the_same_buffers_with_the_next_checkpoint(tmp_path: Path) -> None:
+    """serve --register-mode direct: the second checkpoint is read into the first one's
+    buffers (no new allocation, so no new pinning), every byte its own."""
+    pool = pinning.PinnedPool()
+    first, _ = _share_of(tmp_path / "a", seed=1)
+    second, want = _share_of(tmp_path / "b", seed=2)
+    a = read_checkpoint(first)
+    buffers = pinning.ShareReader(a, list(a.tensors), pool=pool).result(pin=False)
+    ptrs = sorted(b.buffer.data_ptr() for b in buffers)
+    pool.give_back(buffers)
+    assert pool.pinned_bytes == sum(b.size for b in buffers)
+
+    b = read_checkpoint(second)
+    again = pinning.ShareReader(b, list(b.tensors), pool=pool)
+    refilled = again.result(pin=False)
+    assert sorted(x.buffer.data_ptr() for x in refilled) == ptrs  # the same memory
+    _check_bytes(refilled, want)
+    assert pool.pinned_bytes == sum(b.size for b in buffers)  # nothing new was allocated

@@ -51,6 +51,16 @@ def p2p_missing() -> str | None:
     return None
 
 
+def _hint(exc: Exception, p2p: str) -> str:
+    if "EADDRINUSE" in str(exc):
+        port = int(os.environ.get("MASTER_PORT", "0")) + 1
+        return (
+            f" (checkpoint-engine's store listens on MASTER_PORT+1 = {port}, which is taken: "
+            "give torchrun a --master-port whose next port is free)"
+        )
+    return "" if p2p == "off" else " (p2p needs a working RDMA NIC)"
+
+
 class ReplyWatchingSocket:
     """A stand-in for the PS's zmq REQ socket that keeps every non-empty (error) reply."""
 
@@ -151,21 +161,21 @@ class ParameterServerSession:
         self._io_timeout = io_timeout
         self.p2p_error: str | None = None
         try:
-            self.ps = ParameterServer(auto_pg=True)
+            self.ps = ParameterServer(auto_pg=False)
         except (RuntimeError, OSError) as exc:
             # mooncake installed but no usable NIC (checkpoint-engine issue #1) raises here
             # for every method: when p2p was only a nicety, retry without it.
-            if p2p != "optional":
+            if "EADDRINUSE" in str(exc) or p2p != "optional":
                 raise OperationFailed(
-                    f"checkpoint-engine's parameter server did not start: {exc}"
-                    + ("" if p2p == "off" else " (p2p needs a working RDMA NIC)")
+                    f"checkpoint-engine's parameter server did not start: {exc}" + _hint(exc, p2p)
                 ) from exc
             self.p2p_error = str(exc)
             block_mooncake()
-            self.ps = ParameterServer(auto_pg=True)
+            self.ps = ParameterServer(auto_pg=False)
         if p2p == "required" and self.ps._p2p_store is None:
             raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
         self.sockets: list[ReplyWatchingSocket] = []
+        self._first_socket = 0  # where the current update's sockets start
         self._wrap_socket_factory()
 
     def _wrap_socket_factory(self) -> None:
@@ -215,6 +225,7 @@ class ParameterServerSession:
             self.ps._register_parameters_to_p2p_store(name)
 
     def gather(self, name: str) -> None:
+        self.ensure_group()
         self.ps.gather_metas(name)
 
     def metas(self) -> dict[int, Any]:
@@ -242,15 +253,41 @@ class ParameterServerSession:
     def update(
         self, name: str, req_func: Callable[[list[tuple[str, str]]], None], ranks: list[int] | None
     ) -> None:
+        self.ensure_group()
+        # Only this update's sockets count: a long-lived job's earlier (failed) pushes left
+        # their errors on theirs.
+        self._first_socket = len(self.sockets)
         try:
             self.ps.update(name, req_func, ranks=ranks)
         except Exception as exc:
+            self.drop_group()  # a failed collective can leave the communicator unusable
             raise self._explain(exc) from exc
         if self._worker_errors():  # checkpoint-engine dropped this reply: the last bucket failed
+            self.drop_group()
             raise self._explain(None)
 
     def _worker_errors(self) -> list[str]:
-        return [e for s in self.sockets for e in s.errors]
+        return [e for s in self.sockets[self._first_socket :] for e in s.errors]
+
+    def ensure_group(self) -> None:
+        """The NCCL process group, built once and kept for every later gather and update.
+
+        With auto_pg, checkpoint-engine destroys the group at the end of every update, and
+        destroying an NCCL communicator waits for its proxy thread's next 500 ms poll tick:
+        half of the update stage's fixed second, measured (bench/pg_destroy_probe.py). Built
+        here instead, it lives until the process ends (see job.leave_group_to_exit).
+        """
+        from checkpoint_engine import distributed as dist
+
+        if not dist.is_initialized():
+            self.ps.init_process_group()
+
+    def drop_group(self) -> None:
+        """Destroy the group (after a failure): the next push builds a fresh one."""
+        from checkpoint_engine import distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def _explain(self, exc: Exception | None) -> OperationFailed:
         """One line for what went wrong in checkpoint-engine's update, the worker's words first."""
@@ -270,5 +307,11 @@ class ParameterServerSession:
             )
         return OperationFailed(f"checkpoint-engine's update failed: {type(exc).__name__}: {exc}")
 
-    def unregister(self, name: str) -> None:
-        self.ps.unregister_checkpoint(name)
+    def unregister(self, name: str, pool: Any = None) -> None:
+        """Drop checkpoint `name`; its buffers go back to `pool` (still pinned) when given."""
+        if pool is None or self.ps._p2p_store is not None:  # (serve runs without p2p)
+            self.ps.unregister_checkpoint(name)
+            return
+        buffers = self.ps._memory_pool.pop(name, None)
+        if buffers is not None:
+            pool.give_back(buffers)

@@ -140,17 +140,76 @@ def pin_in_place(buffer: torch.Tensor) -> None:
         )
 
 
+class PinnedPool:
+    """Pinned host buffers kept from one push to the next (`serve --register-mode direct`).
+
+    Pinning gigabytes (cudaHostRegister) and faulting in fresh pages is most of what
+    registering costs once the file pages are cached; a long-lived job pins its buffers once
+    and reads each new checkpoint into them. A buffer is handed out whole or as a prefix view.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []  # pinned, unused
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its whole buffer
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(b.numel() for b in [*self._free, *self._lent.values()])
+
+    def take(self, size: int) -> tuple[torch.Tensor, bool]:
+        """(buffer of `size` bytes, whether it is pinned already). The smallest free one that
+        fits, else a new unpinned one that `result` pins and that comes back here later."""
+        import torch
+
+        fits = [b for b in self._free if b.numel() >= size]
+        if fits:
+            whole = min(fits, key=lambda b: b.numel())
+            self._free.remove(whole)
+            view, pinned = whole[:size], True
+        else:
+            whole = view = torch.empty(size, dtype=torch.uint8)
+            pinned = False
+        self._lent[view.data_ptr()] = whole
+        return view, pinned
+
+    def give_back(self, buffers: list[Any]) -> None:
+        for b in buffers:
+            whole = self._lent.pop(b.buffer.data_ptr(), None)
+            if whole is not None:
+                self._free.append(whole)
+
+    def close(self) -> None:
+        """Unpin everything (at the end of the job)."""
+        import torch
+
+        cudart = torch.cuda.cudart()
+        for whole in [*self._free, *self._lent.values()]:
+            cudart.cudaHostUnregister(whole.data_ptr())
+        self._free.clear()
+        self._lent.clear()
+
+
 class ShareReader:
     """Reads a share in the background: reading needs no CUDA, so it can overlap the
     ParameterServer's start-up (CUDA context, store rendezvous). `result` waits, then pins."""
 
     def __init__(
-        self, checkpoint: Checkpoint, tensors: list[TensorInfo], threads: int = 16
+        self,
+        checkpoint: Checkpoint,
+        tensors: list[TensorInfo],
+        threads: int = 16,
+        pool: PinnedPool | None = None,
     ) -> None:
         import torch
 
         self.buckets = layout(tensors)
-        self._buffers = [torch.empty(b.size, dtype=torch.uint8) for b in self.buckets]
+        if pool is None:
+            self._buffers = [torch.empty(b.size, dtype=torch.uint8) for b in self.buckets]
+            self._pinned = [False] * len(self.buckets)
+        else:
+            taken = [pool.take(b.size) for b in self.buckets]
+            self._buffers = [buffer for buffer, _ in taken]
+            self._pinned = [pinned for _, pinned in taken]
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-read")
         self._started = time.perf_counter()
         self.read_seconds: float | None = None
@@ -169,8 +228,8 @@ class ShareReader:
         finally:
             self._pool.shutdown(wait=True)
         out = []
-        for bucket, buffer in zip(self.buckets, self._buffers, strict=True):
-            if pin and bucket.size:
+        for bucket, buffer, pinned in zip(self.buckets, self._buffers, self._pinned, strict=True):
+            if pin and bucket.size and not pinned:
                 pin_in_place(buffer)
             out.append(
                 MemoryBuffer(

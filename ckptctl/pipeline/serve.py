@@ -139,6 +139,7 @@ class _ControlHandler(BaseHTTPRequestHandler):
                 "world_size": queue.world,
                 "commands": queue.submitted(),
                 "registered": self.server.state.get("registered"),
+                "pinned_pool_bytes": self.server.state.get("pinned_pool_bytes"),
                 "last": last,
             },
         )
@@ -344,7 +345,13 @@ def gpu_executor(
         mode = "consume" if command.get("consume_shm_files") else opts.register_mode
         split = check_consume(command["checkpoint_path"], mode, opts.split)
         checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], split)
-        reader = stages.prefetch_share(checkpoint, share, mode)
+        pool = state.get("pool") if mode == "direct" else None
+        if pool is not None and state.get("registered") is not None:
+            # Its buffers are refilled with this checkpoint: the server already holds it, and
+            # without p2p nobody reads it from here any more.
+            session.unregister(state["registered"], pool)
+            state["registered"] = None
+        reader = stages.prefetch_share(checkpoint, share, mode, pool)
         stages.register_share(job, session, name, checkpoint, share, mode, reader)
         try:
             stages.wait_for_server(job, assignment, opts.servers.engine)
@@ -382,15 +389,18 @@ def gpu_executor(
                     job, assignment, servers.engine, servers.weight_version
                 )
         except BaseException:
-            session.unregister(name)  # this push failed: keep serving the previous one
+            session.unregister(name, pool)  # this push failed: keep serving the previous one
             raise
         previous, state["registered"] = state.get("registered"), name
         if previous is not None:
-            session.unregister(previous)
+            session.unregister(previous, pool)
+        if pool is not None:
+            state["pinned_pool_bytes"] = pool.pinned_bytes  # (read by GET /status)
         return {
             "checkpoint_name": name,
             "split": plan.split,
             "total_bytes": checkpoint.total_bytes,
+            "pinned_pool_bytes": None if pool is None else pool.pinned_bytes,
             "figures": job.figures(),
         }
 
@@ -403,13 +413,17 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
 
     launch = prepare_environment()
     assignment = opts.servers.assign(launch)
-    state: dict[str, Any] = {"registered": None}
+    state: dict[str, Any] = {"registered": None, "pool": None}
 
     def body(job: Job) -> dict[str, Any]:
         if job.coordinator is None:  # one process: a store of our own for the queue
             job.coordinator = Coordinator.local(job.launch)
             job.watchdog.coordinator = job.coordinator
         session = stages.start_parameter_server(job, p2p="off")
+        if opts.register_mode == "direct":
+            from ckptctl.pipeline.pinning import PinnedPool
+
+            state["pool"] = PinnedPool()  # pinned once, refilled by every push
         ended = serve_loop(
             job,
             gpu_executor(opts, session, assignment, state),
@@ -418,7 +432,9 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
             state=state,
         )
         if state["registered"] is not None:
-            session.unregister(state["registered"])
+            session.unregister(state["registered"], state["pool"])
+        if state["pool"] is not None:
+            state["pool"].close()
         return {"ok": True, "ended": ended, "world_size": launch.world_size}
 
     return run_job(

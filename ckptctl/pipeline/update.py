@@ -7,6 +7,7 @@ Every wait is bounded by the watchdog (see coordination.py); every failure ends 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,53 @@ def check_consume(checkpoint_path: str, register_mode: str, split: str) -> str:
     return "files"
 
 
+def check_consumable(plan: Any) -> None:
+    """Refuse, before any file is consumed, a checkpoint that checkpoint-engine's in-place
+    pinning cannot serve. Every rank checks every rank's share, so all refuse together.
+
+    It pins each file's data area as is and asserts the tensors tile it with no gap (a file
+    that fails that would be refused halfway, after other files were deleted). The update then
+    packs a rank's tensors back to back, unpadded, into buckets that may start at any tensor,
+    and the server views each tensor at its offset as its dtype, which fails unless the offset
+    is a multiple of the element size. So every tensor before a tensor in its share must have
+    a size that is a multiple of that tensor's element size (a 0-dim bf16 before an int64 is
+    not).
+    """
+    from ckptctl.checkpoint.headers import DTYPE_BITS
+
+    checkpoint = plan.checkpoint
+    for file in checkpoint.files:
+        path = checkpoint.path_of(file)
+        with open(path, "rb") as fh:
+            at = 8 + int.from_bytes(fh.read(8), "little")  # where the data area starts
+        for t in sorted((t for t in checkpoint.tensors if t.file == file), key=lambda t: t.start):
+            if t.start != at:
+                raise InvalidInput(
+                    f"{path}: {t.start - at} bytes between tensor {t.name!r} and the one before; "
+                    "checkpoint-engine's in-place pinning needs tightly packed files: drop "
+                    "--consume-shm-files"
+                )
+            at = t.end
+        if at != os.path.getsize(path):
+            raise InvalidInput(
+                f"{path}: {os.path.getsize(path) - at} bytes after the last tensor; "
+                "checkpoint-engine's in-place pinning needs tightly packed files: drop "
+                "--consume-shm-files"
+            )
+    for share in plan.ranks:
+        common = 0  # gcd of the sizes of the tensors so far in this share
+        for t in share.tensors:
+            width = max(DTYPE_BITS[t.dtype] // 8, 1)
+            if common % width:
+                raise InvalidInput(
+                    f"{checkpoint.path_of(t.file)}: tensor {t.name!r} ({t.dtype}) would lose its "
+                    f"{width}-byte alignment in checkpoint-engine's unpadded in-place layout "
+                    "(a smaller tensor before it leaves it off), and the server could not read "
+                    "it: drop --consume-shm-files"
+                )
+            common = math.gcd(common, t.nbytes)
+
+
 def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) -> dict[str, Any]:
     """Run every stage on this rank. Returns the job's summary (complete on rank 0)."""
     from ckptctl.pipeline.parameter_server import p2p_missing
@@ -71,6 +119,8 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
 
     def body(job: Job) -> dict[str, Any]:
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, split)
+        if opts.register_mode == "consume":
+            check_consumable(plan)  # every rank, before any file is consumed
         reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
         session = stages.start_parameter_server(job, p2p=p2p)
         stages.register_share(

@@ -1,0 +1,218 @@
+"""Benchmark `ckptctl serve` + `ckptctl push` on a GPU node: pushes of alternating checkpoints
+into one test receiver, each checked bit for bit, a refused push (HTTP 400) in between, and
+the memory on both sides after every push (no leak: pinned host memory and GPU memory flat).
+
+    python bench/bench_serve.py --model qwen3-8b --tp 2 --pushes 10 --register-mode direct
+
+Writes serve-<model>-tp<N>-<mode>.{json,md} to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "tests"))
+
+from bench_update import free_master_port, report, start_receiver, write_checkpoint  # noqa: E402
+
+
+def ckptctl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["ckptctl", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def gpu_memory_used_mib() -> list[int]:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [int(x) for x in out.split()]
+
+
+def rss_bytes(pids: list[int]) -> list[int]:
+    """VmRSS of each serve rank (pinned buffers count in it once touched)."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                kb = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue  # not a rank after all (gone)
+        out.append(kb * 1024)
+    return out
+
+
+def serve_ranks(torchrun_pid: int) -> list[int]:
+    """The ckptctl serve processes under torchrun (its grandchildren via the agent)."""
+    found = subprocess.run(
+        ["pgrep", "-f", "ckptctl serve"], capture_output=True, text=True, check=False
+    ).stdout.split()
+    return sorted(int(p) for p in found if int(p) != torchrun_pid)
+
+
+def set_receiver(endpoint: str, **config: Any) -> None:
+    import httpx
+
+    httpx.post(f"{endpoint}/receiver/config", json=config, timeout=30).raise_for_status()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["qwen3-4b", "qwen3-8b"], default="qwen3-8b")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pushes", type=int, default=10)
+    parser.add_argument("--register-mode", default="direct", choices=["engine", "direct"])
+    parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    args = parser.parse_args()
+
+    ckpts = [Path(args.workdir) / f"{args.model}-serve-{i}" for i in range(2)]
+    written = [write_checkpoint(c, args.model, seed=1000 + i) for i, c in enumerate(ckpts)]
+    total, n_tensors = written[0]
+    sock = f"/tmp/ckptctl-bench-serve-{os.getpid()}.sock"
+    receiver, endpoint = start_receiver(ckpts[0], args.tp)
+    gpu_before = gpu_memory_used_mib()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.tp),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_master_port()),
+        "--no-python", "ckptctl", "serve", "--control-socket", sock,
+        "--inference-parallel-size", str(args.tp), "--endpoint", endpoint,
+        "--register-mode", args.register_mode, "--push-timeout", "300",
+    ]  # fmt: skip
+    t_start = time.perf_counter()
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pushes: list[dict[str, Any]] = []
+    try:
+        while not os.path.exists(sock):
+            if job.poll() is not None or time.perf_counter() - t_start > 120:
+                raise SystemExit(f"serve did not start:\n{job.communicate(timeout=30)[1][-3000:]}")
+            time.sleep(0.1)
+        startup_s = time.perf_counter() - t_start
+        ranks = serve_ranks(job.pid)
+        for i in range(args.pushes):
+            ckpt = ckpts[i % 2]
+            set_receiver(endpoint, verify_against=str(ckpt))
+            t0 = time.perf_counter()
+            r = ckptctl("push", "--control-socket", sock, "--checkpoint-path", str(ckpt),
+                        "--weight-version", f"v{i}", "--json")  # fmt: skip
+            seconds = time.perf_counter() - t0
+            if r.returncode != 0:
+                raise SystemExit(f"push {i} failed ({r.returncode}): {r.stderr[-2000:]}")
+            rep = report(endpoint)
+            row: dict[str, Any] = {
+                "push": i,
+                "checkpoint": ckpt.name,
+                "client_wall_s": round(seconds, 3),
+                "result": json.loads(r.stdout),
+                "bit_exact": bool(rep["ok"])
+                and rep["weight_version"] == f"v{i}"
+                and all(
+                    not w["mismatches"] and not w["missing"] and w["tensors_received"] == n_tensors
+                    for w in rep["workers"]
+                ),
+                "gpu_memory_used_mib": gpu_memory_used_mib(),
+                "rank_rss_bytes": rss_bytes(ranks),
+            }
+            pushes.append(row)
+            print(f"push {i}: {seconds:.2f}s bit-exact={row['bit_exact']}", flush=True)
+            if i == 5:  # a refused push, then the job goes on
+                set_receiver(endpoint, refuse="IPC weight update failed: busy")
+                t0 = time.perf_counter()
+                bad = ckptctl("push", "--control-socket", sock, "--checkpoint-path", str(ckpt))
+                refused = {
+                    "exit_code": bad.returncode,
+                    "seconds": round(time.perf_counter() - t0, 3),
+                    "error": bad.stderr.strip().splitlines()[-1:],
+                }
+                set_receiver(endpoint, refuse=None)
+                print(f"refused push: {refused}", flush=True)
+        status = json.loads(ckptctl("status", "--control-socket", sock, "--json").stdout)
+        import httpx
+
+        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=30) as client:
+            client.post("http://serve/stop")
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        receiver.terminate()
+        receiver.wait(timeout=60)
+
+    doc = {
+        "model": args.model,
+        "tp": args.tp,
+        "register_mode": args.register_mode,
+        "total_bytes": total,
+        "tensors": n_tensors,
+        "serve_startup_s": round(startup_s, 3),
+        "serve_exit_code": job.returncode,
+        "gpu_memory_used_mib_before_serve": gpu_before,
+        "pushes": pushes,
+        "refused_push": refused,
+        "status_at_end": status,
+        "command": " ".join(cmd[2:]),
+        "bench_command": f"python bench/bench_serve.py --model {args.model} --tp {args.tp} "
+        f"--pushes {args.pushes} --register-mode {args.register_mode}",
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"serve-{args.model}-tp{args.tp}-{args.register_mode}"
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(doc))
+    print(markdown(doc))
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    gb = doc["total_bytes"] / 1e9
+    lines = [
+        f"# `ckptctl serve` + `push`, {doc['model']} shapes ({gb:.2f} GB), TP{doc['tp']}, "
+        f"--register-mode {doc['register_mode']}",
+        "",
+        f"    {doc['bench_command']}",
+        "",
+        f"serve start-up (torchrun to control socket): {doc['serve_startup_s']:.2f} s; "
+        f"exit code after POST /stop: {doc['serve_exit_code']}; refused push: exit "
+        f"{doc['refused_push']['exit_code']} in {doc['refused_push']['seconds']:.2f} s.",
+        "",
+        "| push | client wall s | register s | gather s | update s | bit-exact | "
+        "GPU MiB used (per GPU) | serve rank RSS GB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in doc["pushes"]:
+        ranks = row["result"].get("ranks") or []
+
+        def stage(name: str, ranks: list[dict[str, Any]] = ranks) -> str:
+            vals = [
+                r["figures"]["stages"][name]["seconds"]
+                for r in ranks
+                if name in r.get("figures", {}).get("stages", {})
+            ]
+            return f"{max(vals):.2f}" if vals else "-"
+
+        lines.append(
+            f"| {row['push']} | {row['client_wall_s']:.2f} | {stage('register')} | "
+            f"{stage('gather_metas')} | {stage('update')} | {row['bit_exact']} | "
+            f"{row['gpu_memory_used_mib']} | "
+            f"{[round(x / 1e9, 1) for x in row['rank_rss_bytes']]} |"
+        )
+    walls = sorted(r["client_wall_s"] for r in doc["pushes"][1:])
+    if walls:
+        lines += ["", f"Median push after the first: {walls[len(walls) // 2]:.2f} s.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    main()
