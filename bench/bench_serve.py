@@ -78,9 +78,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = parser.parse_args()
 
-    ckpts = [Path(args.workdir) / f"{args.model}-serve-{i}" for i in range(2)]
-    written = [write_checkpoint(c, args.model, seed=1000 + i) for i, c in enumerate(ckpts)]
-    total, n_tensors = written[0]
+    # The first is bench_update.py's (same seed), reused when that already wrote it.
+    ckpts = [Path(args.workdir) / args.model, Path(args.workdir) / f"{args.model}-serve-1"]
+    for ckpt, seed in zip(ckpts, [20261129, 1001], strict=True):
+        if not (ckpt / "model.safetensors.index.json").exists():
+            write_checkpoint(ckpt, args.model, seed=seed)
+    index = json.loads((ckpts[0] / "model.safetensors.index.json").read_text())
+    total, n_tensors = index["metadata"]["total_size"], len(index["weight_map"])
     sock = f"/tmp/ckptctl-bench-serve-{os.getpid()}.sock"
     receiver, endpoint = start_receiver(ckpts[0], args.tp)
     gpu_before = gpu_memory_used_mib()
