@@ -24,8 +24,19 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "no")
 
 
+_signals_received: list[int] = []
+
+
 def _raise_interrupted(signum: int, _frame: Any) -> None:
+    _signals_received.append(signum)
     raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
+
+
+def raise_if_interrupted() -> None:
+    """Raise again for a signal whose exception some library code caught and dropped (it is
+    raised wherever the main thread happens to be, a broad `except` in a dependency included)."""
+    if _signals_received:
+        raise Interrupted(f"interrupted by {signal.Signals(_signals_received[0]).name}")
 
 
 def install_signal_handlers() -> None:

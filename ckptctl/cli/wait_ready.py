@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli._choices import EngineChoice, ReadyCondition
+from ckptctl.cli._errors import raise_if_interrupted
 from ckptctl.cli._options import (
     DEFAULT_ENDPOINT,
     ApiKeyOpt,
@@ -80,6 +81,7 @@ def wait_ready_command(
     )
 
     def on_attempt(probe, attempts: int, elapsed: float) -> None:
+        raise_if_interrupted()
         if status_ctx is not None and out.interactive:
             status_ctx.update(  # type: ignore[union-attr]
                 # Text(): what the server says is shown as is, never read as Rich markup.
