@@ -46,10 +46,11 @@ class Interrupted(CkptctlError):
     exit_code = ExitCode.INTERRUPTED
 
 
-def print_error(message: str) -> None:
-    """Write the one error line to stderr, with the rank in front inside a multi-rank job."""
+def print_error(message: str, *, label: str = "error") -> None:
+    """Write the one error line to stderr, with the rank in front inside a multi-rank job
+    (`label="warning"` for a warning from where no reporter is at hand)."""
     world = os.environ.get("WORLD_SIZE", "1")
     prefix = f"[rank {os.environ.get('RANK', '0')}] " if world not in ("", "1") else ""
     # A plain write, not Rich: the error must get out even if Rich itself is the problem.
-    sys.stderr.write(f"{prefix}error: {message}\n")
+    sys.stderr.write(f"{prefix}{label}: {message}\n")
     sys.stderr.flush()

@@ -32,6 +32,16 @@ def _checkpoint(root: Path, seed: int) -> Path:
     return write_real_checkpoint(root, [tensors])
 
 
+def _gpu_memory_used_mib() -> int:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return int(out.strip())
+
+
 def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> None:
     ckpts = [_checkpoint(tmp_path / f"ck{i}", seed=i) for i in range(3)]
     sock = str(short_tmp / "serve.sock")
@@ -101,6 +111,7 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
                     )
                     assert bad.returncode == 3
                 if i == 6:  # the server refuses (HTTP 400): this push fails, the job goes on
+                    gpu_before_refusal = _gpu_memory_used_mib()
                     rx.set_config(refuse="IPC weight update failed: busy")
                     refused = run_script(
                         "push", "--control-socket", sock, "--checkpoint-path", str(ck), timeout=120
@@ -108,6 +119,9 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
                     rx.set_config(refuse=None)
                     assert refused.returncode == 1, refused.stderr
                     assert "refused the update: HTTP 400" in refused.stderr
+                if i == 7:  # the refused push's IPC buffer was given back (release_ipc_reference)
+                    grown = _gpu_memory_used_mib() - gpu_before_refusal
+                    assert grown < 1024, f"GPU memory grew by {grown} MiB after a refused push"
             with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
                 client.post("http://serve/stop")
             out, err = job.communicate(timeout=60)

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ckptctl.errors import InvalidInput, OperationFailed
+from ckptctl.errors import InvalidInput, OperationFailed, print_error
 
 
 def block_mooncake() -> None:
@@ -70,6 +70,7 @@ class ReplyWatchingSocket:
         self._socket = socket
         self.errors: list[str] = []
         self._nones_sent = 0
+        self.handle: Any = None  # the first message: the CUDA IPC handle of the PS's buffer
         # The PS ends every transfer with None, None; the reply to the second means the
         # server's worker has loaded everything and run its post-hook.
         self.finished = threading.Event()
@@ -84,6 +85,8 @@ class ReplyWatchingSocket:
     def send_pyobj(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
         if obj is None:
             self._nones_sent += 1
+        elif self.handle is None:
+            self.handle = obj
         sent = self._socket.send_pyobj(obj, *args, **kwargs)
         self.handle_sent.set()
         return sent
@@ -100,10 +103,36 @@ class ReplyWatchingSocket:
         return getattr(self._socket, name)
 
 
+def release_ipc_reference(handle: Any) -> bool:
+    """Give back the reference a consumer of a CUDA IPC handle would have released.
+
+    `handle` is what torch's `reduce_tensor` made of a CUDA tensor: `(rebuild_cuda_tensor,
+    args)`. Sharing counts a reference in a file that the consumer decrements when it lets go;
+    a buffer freed while the count is up stays allocated until the process ends. Our stand-in
+    peer (`rescue`) takes the handle and never opens it, so it releases the count the way
+    torch's own consumer does when it already holds the storage. False if `handle` is not
+    such a tuple (nothing done).
+    """
+    try:
+        rebuild, args = handle
+    except (TypeError, ValueError):
+        return False
+    if getattr(rebuild, "__name__", "") != "rebuild_cuda_tensor" or len(args) != 15:
+        return False
+    storage_cls, device, counter_handle, counter_offset = args[4], args[6], args[11], args[12]
+    storage_cls._release_ipc_counter(counter_handle, counter_offset, device=device)
+    return True
+
+
 RESCUE_PREFIX = "ckptctl: the push failed"
 
 
-def rescue(endpoint: str, message: str, timeout_s: float = 30.0) -> threading.Thread:
+def rescue(
+    endpoint: str,
+    message: str,
+    timeout_s: float = 30.0,
+    on_handle_taken: Callable[[], None] | None = None,
+) -> threading.Thread:
     """End a transfer whose server never connected, without ending the process.
 
     checkpoint-engine's REQ socket blocks until a peer connects. When the server refused (and
@@ -123,6 +152,8 @@ def rescue(endpoint: str, message: str, timeout_s: float = 30.0) -> threading.Th
         try:
             rep.connect(endpoint)
             rep.recv()  # the IPC handle
+            if on_handle_taken is not None:
+                on_handle_taken()  # nobody will open it: release its reference
             rep.send(f"{RESCUE_PREFIX}: {message}".encode())
             rep.recv()  # the PS's "workers failed" notice; nothing is answered after it
         except zmq.ZMQError:
@@ -243,7 +274,19 @@ class ParameterServerSession:
         worker is already attached (then only ending the process frees the PS)."""
         if not self.sockets or self.sockets[-1].handle_sent.is_set():
             return False
-        rescue(self.sockets[-1].endpoint, message)
+        socket = self.sockets[-1]
+
+        def release() -> None:
+            try:
+                release_ipc_reference(socket.handle)
+            except Exception as exc:  # noqa: BLE001 - a leak is worth a warning, not a crash
+                print_error(
+                    f"could not release the failed update's IPC buffer (it stays allocated "
+                    f"until the job ends): {exc}",
+                    label="warning",
+                )
+
+        rescue(socket.endpoint, message, on_handle_taken=release)
         return True
 
     def wait_transfer_finished(self, timeout: float) -> bool:
