@@ -9,10 +9,13 @@ real ParameterServer.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 from typing import Any
+
+import torch
 
 
 class CpuParameterServerSession:
@@ -24,6 +27,7 @@ class CpuParameterServerSession:
         self.p2p_enabled = False
         self.p2p_error = None
         self.registered: dict[str, dict[str, Any]] = {}
+        self.buffers: dict[str, list[Any]] = {}
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
 
@@ -32,6 +36,21 @@ class CpuParameterServerSession:
 
     def register_buffers(self, name: str, buffers: list[Any]) -> None:
         self.registered[name] = {m.name: m for b in buffers for m in b.metas}
+        self.buffers[name] = buffers
+        # What landed in the buffers (tests fill each checkpoint with one byte value) and
+        # where: a test reads this to see a pool refilled in place.
+        fills = set()
+        for b in buffers:
+            offset = 0
+            for m in b.metas:
+                n = m.dtype.itemsize * int(torch.Size(m.shape).numel())
+                fills.update(b.buffer[offset : offset + n].unique().tolist())
+                offset += m.aligned_size
+        log = os.environ.get("CPU_PS_LOG")
+        if log:
+            with open(f"{log}.{self.rank}", "a") as fh:
+                ptrs = sorted(b.buffer.data_ptr() for b in buffers)
+                fh.write(json.dumps({"name": name, "ptrs": ptrs, "fills": sorted(fills)}) + "\n")
 
     def register_files(self, name: str, files: list[str]) -> None:
         self.registered[name] = {f: f for f in files}
@@ -66,12 +85,19 @@ class CpuParameterServerSession:
 
     def unregister(self, name: str, pool: Any = None) -> None:
         self.registered.pop(name, None)
+        buffers = self.buffers.pop(name, None)
+        if pool is not None and buffers is not None:
+            pool.give_back(buffers)
 
 
 if __name__ == "__main__":
     import ckptctl.pipeline.parameter_server as ps_module
+    import ckptctl.pipeline.pinning as pinning_module
 
     ps_module.ParameterServerSession = CpuParameterServerSession  # type: ignore[misc]
+    # No CUDA to pin host memory with: direct registration's buffers stay pageable.
+    pinning_module.pin_in_place = lambda buffer: None  # type: ignore[assignment]
+    pinning_module.unpin = lambda buffer: None  # type: ignore[assignment]
     sys.argv = ["ckptctl", *sys.argv[1:]]
     from ckptctl.cli import main
 

@@ -158,3 +158,77 @@ def test_serve_pushes_and_survives_a_refused_push(short_tmp: Path) -> None:
             if job.poll() is None:
                 job.kill()
     assert job.returncode == 0, err
+
+
+def _filled_checkpoint(root: Path, fill: int) -> Path:
+    """Every byte of every tensor is `fill`: what a rank registered tells which one it was."""
+    import torch
+    from ckpt_factory import write_real_checkpoint
+
+    def full(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        n = dtype.itemsize * int(torch.Size(shape).numel())
+        return torch.full((n,), fill, dtype=torch.uint8).view(dtype).reshape(shape)
+
+    shard = {f"layers.{i}.w": full(64, 96, dtype=torch.bfloat16) for i in range(4)}
+    shard["norm"] = full(96, dtype=torch.float32)
+    return write_real_checkpoint(root, [shard])
+
+
+def test_serve_direct_refills_one_pool_push_after_push(tmp_path: Path, short_tmp: Path) -> None:
+    """serve --register-mode direct: every push reads its checkpoint into the buffers the first
+    push allocated (and pinned, on a GPU), a refused push included, each time with the right
+    bytes."""
+    import os
+
+    import httpx
+    from conftest import run_script
+
+    ck1, ck2 = _filled_checkpoint(tmp_path / "one", 1), _filled_checkpoint(tmp_path / "two", 2)
+    sock, log = str(short_tmp / "serve.sock"), str(tmp_path / "registered")
+    with FakeServer(Behaviour()) as s:
+        job = subprocess.Popen(
+            torchrun_cmd(
+                SCRIPT,
+                "serve",
+                "--control-socket",
+                sock,
+                "--inference-parallel-size",
+                "2",
+                "--endpoint",
+                s.endpoint,
+                "--push-timeout",
+                "30",
+                "--register-mode",
+                "direct",
+            ),  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "CPU_PS_LOG": log},
+        )
+        try:
+            assert wait_for_path(sock)
+
+            def push(ck: Path) -> subprocess.CompletedProcess[str]:
+                return run_script(
+                    "push", "--control-socket", sock, "--checkpoint-path", str(ck), timeout=60
+                )
+
+            assert push(ck1).returncode == 0
+            assert push(ck2).returncode == 0
+            s.behaviour.update_status, s.behaviour.update_message = 400, "busy"
+            assert push(ck1).returncode == 1
+            s.behaviour.update_status = 200
+            last = push(ck1)
+            assert last.returncode == 0, last.stderr
+            with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
+                client.post("http://serve/stop")
+            _, err = job.communicate(timeout=30)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert job.returncode == 0, err
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in Path(f"{log}.{rank}").read_text().splitlines()]
+        assert [r["fills"] for r in rows] == [[1], [2], [1], [1]]
+        assert all(r["ptrs"] == rows[0]["ptrs"] for r in rows)  # the same memory every time

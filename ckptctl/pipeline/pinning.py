@@ -140,6 +140,13 @@ def pin_in_place(buffer: torch.Tensor) -> None:
         )
 
 
+def unpin(buffer: torch.Tensor) -> None:
+    """cudaHostUnregister: undo `pin_in_place` (errors ignored: the process is leaving)."""
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
 class PinnedPool:
     """Pinned host buffers kept from one push to the next (`serve --register-mode direct`).
 
@@ -180,11 +187,8 @@ class PinnedPool:
 
     def close(self) -> None:
         """Unpin everything (at the end of the job)."""
-        import torch
-
-        cudart = torch.cuda.cudart()
         for whole in [*self._free, *self._lent.values()]:
-            cudart.cudaHostUnregister(whole.data_ptr())
+            unpin(whole)
         self._free.clear()
         self._lent.clear()
 
