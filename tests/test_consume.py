@@ -79,3 +79,24 @@ def test_a_checkpoint_in_place_pinning_cannot_serve_is_refused_untouched(tmp_pat
         assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_dtype_in_place_pinning_cannot_read_is_refused_untouched() -> None:
+    """checkpoint-engine reads in-place files' dtypes through safetensors' own table, which
+    lacks F8_E8M0: it would fail halfway, after deleting other files. Refused up front."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    from ckpt_factory import header_bytes
+
+    path = Path("/dev/shm") / f"ckptctl-consume-e8m0-{os.getpid()}"
+    path.mkdir()
+    header = {"scales": {"dtype": "F8_E8M0", "shape": [8], "data_offsets": [0, 8]}}
+    (path / "model.safetensors").write_bytes(header_bytes(header) + bytes(range(8)))
+    try:
+        before = {p.name: p.read_bytes() for p in path.iterdir()}
+        r = _update(path)
+        assert r.exit_code == 3, r.stderr
+        assert "F8_E8M0" in r.stderr and "drop --consume-shm-files" in r.stderr
+        assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -246,7 +246,14 @@ def test_tp1(
 
 
 @needs_two
+def _torch_shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("torch_*")}
+
+
 def test_tp2_one_server(sharded: Path) -> None:
+    # The ranks end with os._exit (no NCCL teardown): torch's CUDA IPC ref-counter files
+    # (/dev/shm/torch_<pid>_*) must not be left behind by that, update after update.
+    shm_before = _torch_shm_files()
     with ReceiverServer(sharded, [0, 1]) as rx:
         code, out, err, took = _torchrun(
             2,
@@ -264,9 +271,11 @@ def test_tp2_one_server(sharded: Path) -> None:
         )
         assert code == 0, err[-4000:]
         _assert_bit_exact(rx, sharded)
+    left = sorted(_torch_shm_files() - shm_before)
+    _record("tp2-one-server", {"wall_s": took, "summary": _summary(out), "shm_left": left})
     summary = _summary(out)
     assert len(summary["ranks"]) == 2
-    _record("tp2-one-server", {"wall_s": took, "summary": summary})
+    assert not left, f"torch shared-memory files left in /dev/shm: {left}"
 
 
 @needs_two

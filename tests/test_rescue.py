@@ -68,12 +68,9 @@ def _cuda_handle() -> tuple:
     return (rebuild_cuda_tensor, tuple(args))
 
 
-def test_a_rescued_transfer_gives_the_ipc_reference_back() -> None:
-    """A handle nobody opens keeps the PS's GPU buffer allocated (torch counts a reference the
-    consumer never releases): seen on 2x H200 as +16 GiB per GPU after a refused serve push.
-    The stand-in releases it, with torch's own call, once it has taken the handle."""
-    from ckptctl.pipeline.parameter_server import release_ipc_reference
-
+def _send_handle_and_answer(peer_reply: bytes | None) -> list[tuple]:
+    """The PS sends a CUDA-shaped handle; `peer_reply` from a worker of ours, or (None) the
+    rescue stand-in answers. What was released?"""
     _FakeCudaStorage.released.clear()
     ctx = zmq.Context()
     address = f"ipc://@ckptctl-test-{os.getpid()}-{time.monotonic_ns()}.sock"
@@ -84,19 +81,38 @@ def test_a_rescued_transfer_gives_the_ipc_reference_back() -> None:
     sender.start()
     time.sleep(0.2)
     assert watched.handle is not None and not _FakeCudaStorage.released  # nothing before
-    helper = rescue(
-        address,
-        "refused",
-        timeout_s=5,
-        on_handle_taken=lambda: release_ipc_reference(watched.handle),
-    )
+    if peer_reply is None:
+        helper = rescue(address, "refused", timeout_s=5)
+    else:
+        worker = ctx.socket(zmq.REP)
+        worker.connect(address)
+        worker.recv()
+        worker.send(peer_reply)
     sender.join(timeout=10)
-    assert watched.recv().decode().startswith(RESCUE_PREFIX)
+    watched.recv()
     watched.send_pyobj(RuntimeError("Some workers failed to update weights"))
-    helper.join(timeout=10)
-    assert _FakeCudaStorage.released == [(b"/torch_123_refcount", 7, "cuda:0")]
+    if peer_reply is None:
+        helper.join(timeout=10)
+    else:
+        worker.recv()
+        worker.close()
     sock.close()
     ctx.term()
+    return list(_FakeCudaStorage.released)
+
+
+def test_a_rescued_transfer_gives_the_ipc_reference_back() -> None:
+    """A handle nobody opens keeps the PS's GPU buffer allocated (torch counts a reference the
+    consumer never releases): seen on 2x H200 as +16 GiB per GPU after a refused serve push.
+    When the reply to the handle is the stand-in's, the PS side releases it with torch's own
+    call."""
+    assert _send_handle_and_answer(None) == [(b"/torch_123_refcount", 7, "cuda:0")]
+
+
+def test_a_handle_a_worker_took_is_left_to_the_worker() -> None:
+    """A real worker that took the handle releases it itself, even when it then fails."""
+    assert _send_handle_and_answer(b"RuntimeError: bucket 0 failed") == []
+    assert _send_handle_and_answer(b"") == []
 
 
 def test_only_a_cuda_handle_is_released() -> None:

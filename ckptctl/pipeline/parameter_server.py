@@ -71,6 +71,7 @@ class ReplyWatchingSocket:
         self.errors: list[str] = []
         self._nones_sent = 0
         self.handle: Any = None  # the first message: the CUDA IPC handle of the PS's buffer
+        self._replies = 0
         # The PS ends every transfer with None, None; the reply to the second means the
         # server's worker has loaded everything and run its post-hook.
         self.finished = threading.Event()
@@ -93,11 +94,26 @@ class ReplyWatchingSocket:
 
     def recv(self, *args: Any, **kwargs: Any) -> bytes:
         reply = self._socket.recv(*args, **kwargs)
+        self._replies += 1
         if reply != b"":
             self.errors.append(reply.decode("utf-8", errors="replace"))
+            if self._replies == 1 and reply.startswith(RESCUE_PREFIX.encode()):
+                # The handle went to our stand-in (a REQ socket's reply comes from the peer
+                # that took the message), which never opens it: give its reference back.
+                self._release_handle()
         if self._nones_sent >= 2:
             self.finished.set()
         return reply
+
+    def _release_handle(self) -> None:
+        try:
+            release_ipc_reference(self.handle)
+        except Exception as exc:  # noqa: BLE001 - a leak is worth a warning, not a crash
+            print_error(
+                "could not release the failed update's IPC buffer (it stays allocated until "
+                f"the job ends): {exc}",
+                label="warning",
+            )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._socket, name)
@@ -127,12 +143,7 @@ def release_ipc_reference(handle: Any) -> bool:
 RESCUE_PREFIX = "ckptctl: the push failed"
 
 
-def rescue(
-    endpoint: str,
-    message: str,
-    timeout_s: float = 30.0,
-    on_handle_taken: Callable[[], None] | None = None,
-) -> threading.Thread:
+def rescue(endpoint: str, message: str, timeout_s: float = 30.0) -> threading.Thread:
     """End a transfer whose server never connected, without ending the process.
 
     checkpoint-engine's REQ socket blocks until a peer connects. When the server refused (and
@@ -151,9 +162,7 @@ def rescue(
         rep.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         try:
             rep.connect(endpoint)
-            rep.recv()  # the IPC handle
-            if on_handle_taken is not None:
-                on_handle_taken()  # nobody will open it: release its reference
+            rep.recv()  # the IPC handle (its reference is released on the PS's side)
             rep.send(f"{RESCUE_PREFIX}: {message}".encode())
             rep.recv()  # the PS's "workers failed" notice; nothing is answered after it
         except zmq.ZMQError:
@@ -274,19 +283,7 @@ class ParameterServerSession:
         worker is already attached (then only ending the process frees the PS)."""
         if not self.sockets or self.sockets[-1].handle_sent.is_set():
             return False
-        socket = self.sockets[-1]
-
-        def release() -> None:
-            try:
-                release_ipc_reference(socket.handle)
-            except Exception as exc:  # noqa: BLE001 - a leak is worth a warning, not a crash
-                print_error(
-                    f"could not release the failed update's IPC buffer (it stays allocated "
-                    f"until the job ends): {exc}",
-                    label="warning",
-                )
-
-        rescue(socket.endpoint, message, on_handle_taken=release)
+        rescue(self.sockets[-1].endpoint, message)
         return True
 
     def wait_transfer_finished(self, timeout: float) -> bool:
@@ -300,13 +297,15 @@ class ParameterServerSession:
         # Only this update's sockets count: a long-lived job's earlier (failed) pushes left
         # their errors on theirs.
         self._first_socket = len(self.sockets)
+        # The group is kept after a failure too. A push refused before the workers connected
+        # (`rescue`) goes through the same collectives on every rank, so it stays in step; one
+        # rank dropping it alone would leave the others waiting on the old one at the next
+        # push. A failure that breaks it ends the job (as `update` would) at the next wait.
         try:
             self.ps.update(name, req_func, ranks=ranks)
         except Exception as exc:
-            self.drop_group()  # a failed collective can leave the communicator unusable
             raise self._explain(exc) from exc
         if self._worker_errors():  # checkpoint-engine dropped this reply: the last bucket failed
-            self.drop_group()
             raise self._explain(None)
 
     def _worker_errors(self) -> list[str]:
@@ -324,13 +323,6 @@ class ParameterServerSession:
 
         if not dist.is_initialized():
             self.ps.init_process_group()
-
-    def drop_group(self) -> None:
-        """Destroy the group (after a failure): the next push builds a fresh one."""
-        from checkpoint_engine import distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     def _explain(self, exc: Exception | None) -> OperationFailed:
         """One line for what went wrong in checkpoint-engine's update, the worker's words first."""
@@ -351,10 +343,12 @@ class ParameterServerSession:
         return OperationFailed(f"checkpoint-engine's update failed: {type(exc).__name__}: {exc}")
 
     def unregister(self, name: str, pool: Any = None) -> None:
-        """Drop checkpoint `name`; its buffers go back to `pool` (still pinned) when given."""
-        if pool is None or self.ps._p2p_store is not None:  # (serve runs without p2p)
-            self.ps.unregister_checkpoint(name)
+        """Drop checkpoint `name`. Buffers that came from `pool` go back to it, still pinned;
+        anything else (checkpoint-engine's own, files pinned in place) is unpinned by
+        checkpoint-engine as usual."""
+        buffers = self.ps._memory_pool.get(name) if pool is not None else None
+        if buffers is None or self.ps._p2p_store is not None or not pool.owns(buffers):
+            self.ps.unregister_checkpoint(name)  # (serve runs without p2p)
             return
-        buffers = self.ps._memory_pool.pop(name, None)
-        if buffers is not None:
-            pool.give_back(buffers)
+        del self.ps._memory_pool[name]
+        pool.give_back(buffers)

@@ -165,7 +165,7 @@ class PinnedPool:
 
     def take(self, size: int) -> tuple[torch.Tensor, bool]:
         """(buffer of `size` bytes, whether it is pinned already). The smallest free one that
-        fits, else a new unpinned one that `result` pins and that comes back here later."""
+        fits, else a new unpinned one that `ShareReader.result` pins."""
         import torch
 
         fits = [b for b in self._free if b.numel() >= size]
@@ -179,11 +179,26 @@ class PinnedPool:
         self._lent[view.data_ptr()] = whole
         return view, pinned
 
+    def trim(self) -> None:
+        """Unpin and drop the free buffers (after a share took what it needed): what one
+        checkpoint's buckets did not use would otherwise stay pinned for good."""
+        for whole in self._free:
+            unpin(whole)
+        self._free.clear()
+
+    def owns(self, buffers: list[Any]) -> bool:
+        return bool(buffers) and all(b.buffer.data_ptr() in self._lent for b in buffers)
+
+    def release(self, view: torch.Tensor, pinned: bool) -> None:
+        """Take a lent buffer back: kept when pinned, else dropped (never kept unpinned)."""
+        whole = self._lent.pop(view.data_ptr(), None)
+        if whole is not None and pinned:
+            self._free.append(whole)
+
     def give_back(self, buffers: list[Any]) -> None:
+        """A registered checkpoint's MemoryBuffers (all pinned), for the next push."""
         for b in buffers:
-            whole = self._lent.pop(b.buffer.data_ptr(), None)
-            if whole is not None:
-                self._free.append(whole)
+            self.release(b.buffer, pinned=True)
 
     def close(self) -> None:
         """Unpin everything (at the end of the job)."""
@@ -207,6 +222,7 @@ class ShareReader:
         import torch
 
         self.buckets = layout(tensors)
+        self._pinned_pool = pool
         if pool is None:
             self._buffers = [torch.empty(b.size, dtype=torch.uint8) for b in self.buckets]
             self._pinned = [False] * len(self.buckets)
@@ -214,6 +230,7 @@ class ShareReader:
             taken = [pool.take(b.size) for b in self.buckets]
             self._buffers = [buffer for buffer, _ in taken]
             self._pinned = [pinned for _, pinned in taken]
+            pool.trim()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-read")
         self._started = time.perf_counter()
         self.read_seconds: float | None = None
@@ -229,18 +246,31 @@ class ShareReader:
 
         try:
             self._future.result()  # re-raises what the reading raised (InvalidInput...)
+            out = []
+            for i, (bucket, buffer) in enumerate(zip(self.buckets, self._buffers, strict=True)):
+                if pin and bucket.size and not self._pinned[i]:
+                    pin_in_place(buffer)
+                    self._pinned[i] = True
+                out.append(
+                    MemoryBuffer(
+                        buffer=buffer, size=bucket.size, metas=metas_of(bucket), manually_pinned=pin
+                    )
+                )
+            return out
+        except BaseException:
+            self._abandon()
+            raise
         finally:
             self._pool.shutdown(wait=True)
-        out = []
-        for bucket, buffer, pinned in zip(self.buckets, self._buffers, self._pinned, strict=True):
-            if pin and bucket.size and not pinned:
-                pin_in_place(buffer)
-            out.append(
-                MemoryBuffer(
-                    buffer=buffer, size=bucket.size, metas=metas_of(bucket), manually_pinned=pin
-                )
-            )
-        return out
+
+    def _abandon(self) -> None:
+        """After a failed read or pin: pinned memory goes back to the pool or is unpinned, so
+        that a failed push neither leaks it nor leaves an unpinned buffer in the pool."""
+        for buffer, pinned in zip(self._buffers, self._pinned, strict=True):
+            if self._pinned_pool is not None:
+                self._pinned_pool.release(buffer, pinned)
+            elif pinned:
+                unpin(buffer)
 
 
 def read_share(

@@ -340,18 +340,20 @@ def gpu_executor(
         name = command.get("checkpoint_name") or f"push-{command['seq']}"
         if name == state.get("registered"):
             name = f"{name}-{command['seq']}"  # the one being served is still registered
-        from ckptctl.pipeline.update import check_consume
+        from ckptctl.pipeline.update import check_consumable, check_consume
 
         mode = "consume" if command.get("consume_shm_files") else opts.register_mode
         split = check_consume(command["checkpoint_path"], mode, opts.split)
         checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], split)
-        pool = state.get("pool") if mode == "direct" else None
-        if pool is not None and state.get("registered") is not None:
+        if mode == "consume":
+            check_consumable(plan)  # before any file is consumed
+        pool = state.get("pool")  # serve --register-mode direct: buffers kept between pushes
+        if pool is not None and mode == "direct" and state.get("registered") is not None:
             # Its buffers are refilled with this checkpoint: the server already holds it, and
             # without p2p nobody reads it from here any more.
             session.unregister(state["registered"], pool)
             state["registered"] = None
-        reader = stages.prefetch_share(checkpoint, share, mode, pool)
+        reader = stages.prefetch_share(checkpoint, share, mode, pool if mode == "direct" else None)
         stages.register_share(job, session, name, checkpoint, share, mode, reader)
         try:
             stages.wait_for_server(job, assignment, opts.servers.engine)

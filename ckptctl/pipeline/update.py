@@ -65,6 +65,23 @@ def check_consumable(plan: Any) -> None:
     from ckptctl.checkpoint.headers import DTYPE_BITS
 
     checkpoint = plan.checkpoint
+    known = _in_place_dtypes()
+    for t in checkpoint.tensors:
+        if known is not None and t.dtype not in known:
+            raise InvalidInput(
+                f"{checkpoint.path_of(t.file)}: tensor {t.name!r} is {t.dtype}, which "
+                "checkpoint-engine's in-place pinning cannot read: drop --consume-shm-files"
+            )
+    widest = max((max(DTYPE_BITS[t.dtype] // 8, 1) for t in checkpoint.tensors), default=1)
+    largest = max(checkpoint.tensors, key=lambda t: t.nbytes, default=None)
+    if largest is not None and largest.nbytes % widest:
+        # A tensor larger than the bucket cap sets the bucket size, and the second half of
+        # the double buffer starts at that offset: it must keep every dtype aligned.
+        raise InvalidInput(
+            f"{checkpoint.path_of(largest.file)}: the largest tensor {largest.name!r} "
+            f"({largest.nbytes} bytes) is not a multiple of {widest} bytes, which in-place "
+            "pinning's buffers would need: drop --consume-shm-files"
+        )
     for file in checkpoint.files:
         path = checkpoint.path_of(file)
         with open(path, "rb") as fh:
@@ -95,6 +112,16 @@ def check_consumable(plan: Any) -> None:
                     "it: drop --consume-shm-files"
                 )
             common = math.gcd(common, t.nbytes)
+
+
+def _in_place_dtypes() -> set[str] | None:
+    """The safetensors dtypes checkpoint-engine's in-place pinning can read (it looks them up
+    in safetensors' own table), or None when that table is not where it used to be."""
+    try:
+        from safetensors.torch import _TYPES
+    except ImportError:
+        return None
+    return set(_TYPES)
 
 
 def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) -> dict[str, Any]:
