@@ -162,3 +162,56 @@ def test_a_pool_refills_the_same_buffers_with_the_next_checkpoint(tmp_path: Path
     assert sorted(x.buffer.data_ptr() for x in refilled) == ptrs  # the same memory
     _check_bytes(refilled, want)
     assert pool.pinned_bytes == sum(b.size for b in buffers)  # nothing new was allocated
+
+
+def test_a_failed_read_gives_the_pools_memory_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push whose file changed under it: the pinned buffer goes back to the pool for the
+    next push, the new (unpinned) one is dropped rather than kept as if pinned."""
+    unpinned: list[int] = []
+    monkeypatch.setattr(pinning, "unpin", lambda b: unpinned.append(b.numel()))  # no CUDA here
+    pool = pinning.PinnedPool()
+    first, _ = _share_of(tmp_path / "a", seed=1)
+    a = read_checkpoint(first)
+    pool.give_back(pinning.ShareReader(a, list(a.tensors), pool=pool).result(pin=False))
+    pinned_before = pool.pinned_bytes
+
+    second, _ = _share_of(tmp_path / "b", seed=2)
+    b = read_checkpoint(second)
+    big = {"w.big": torch.zeros(4096, 4096, dtype=torch.bfloat16)}  # too big for the free one
+    third = write_real_checkpoint(tmp_path / "c", [big])
+    c = read_checkpoint(third)
+    for f in c.files:  # the writer is still at it: shorter than its header says
+        path = c.path_of(f)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    reader = pinning.ShareReader(c, list(c.tensors), pool=pool)
+    with pytest.raises(Exception, match="ends before tensor"):
+        reader.result(pin=False)
+    assert pool.pinned_bytes == 0  # the small pinned one was trimmed as surplus, the new dropped
+    assert unpinned == [pinned_before]  # ... and the trimmed one unpinned
+    again = pinning.ShareReader(b, list(b.tensors), pool=pool).result(pin=False)
+    assert pool.pinned_bytes == sum(x.size for x in again) <= pinned_before
+
+
+def test_a_failed_read_keeps_a_pooled_buffer_pinned_for_the_next_push(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pinning, "unpin", lambda b: None)  # no CUDA here
+    pool = pinning.PinnedPool()
+    first, _ = _share_of(tmp_path / "a", seed=1)
+    a = read_checkpoint(first)
+    taken = pinning.ShareReader(a, list(a.tensors), pool=pool).result(pin=False)
+    ptrs = sorted(x.buffer.data_ptr() for x in taken)
+    pool.give_back(taken)
+
+    broken, _ = _share_of(tmp_path / "b", seed=2)  # same shapes, then cut short
+    b = read_checkpoint(broken)
+    for f in b.files:
+        path = b.path_of(f)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(Exception, match="ends before tensor"):
+        pinning.ShareReader(b, list(b.tensors), pool=pool).result(pin=False)
+    assert pool.pinned_bytes == sum(x.size for x in taken)  # back in the pool, still pinned
+    again = pinning.ShareReader(a, list(a.tensors), pool=pool).result(pin=False)
+    assert sorted(x.buffer.data_ptr() for x in again) == ptrs
