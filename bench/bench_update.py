@@ -196,6 +196,47 @@ def run_update(ckpt: Path, tp: int, endpoint: str, extra: list[str]) -> dict[str
     return {"torchrun_wall_s": wall, "summary": json.loads(r.stdout), "command": " ".join(cmd[2:])}
 
 
+# Runs a command and reports the peak RSS of its largest descendant (the ranks under torchrun).
+_RSS_WRAPPER = (
+    "import resource, subprocess, sys\n"
+    "r = subprocess.run(sys.argv[1:])\n"
+    "print('MAXRSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,"
+    " file=sys.stderr)\n"
+    "sys.exit(r.returncode)\n"
+)
+
+
+def run_seed(ckpt: Path, tp: int, endpoint: str, script: str) -> dict[str, Any]:
+    """SGLang's examples/checkpoint_engine/update.py (the seed), unmodified, the same way."""
+    import re
+
+    cmd = [
+        sys.executable, "-c", _RSS_WRAPPER, sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
+        "--master-port", str(free_master_port()), script, "--checkpoint-path", str(ckpt),
+        "--inference-parallel-size", str(tp), "--endpoint", endpoint,
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"the seed script failed ({r.returncode}):\n{r.stderr[-4000:]}")
+
+    def seconds(label: str) -> float | None:
+        found = re.findall(rf"{label} duration: ([0-9.]+) seconds", r.stderr)
+        return max(map(float, found)) if found else None
+
+    rss = re.findall(r"MAXRSS (\d+)", r.stderr)
+    return {
+        "register_mode": "seed script",
+        "torchrun_wall_s": wall,
+        "gather_s": seconds("Gather metas"),
+        "update_s": seconds("Update weights without setting ranks"),
+        "max_rss_bytes": int(rss[-1]) if rss else None,
+        "command": " ".join(cmd[5:]),
+    }
+
+
 def report(endpoint: str) -> dict[str, Any]:
     import httpx
 
@@ -210,6 +251,11 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--extra", default="", help="more flags for ckptctl update")
+    parser.add_argument(
+        "--seed-script",
+        help="path to SGLang's examples/checkpoint_engine/update.py: run it first, the same "
+        "way, for a side-by-side figure (not shipped here: bring your own copy)",
+    )
     parser.add_argument(
         "--register-modes",
         default="engine",
@@ -233,7 +279,17 @@ def main() -> None:
     }
     receiver, endpoint = start_receiver(ckpt, args.tp)
     runs = []
+    seed: dict[str, Any] | None = None
     try:
+        if args.seed_script:
+            if limits["cold_read_gb_s"] is not None:
+                read_bandwidth(shards, cold=True)  # from a cold cache, as our first runs
+            seed = run_seed(ckpt, args.tp, endpoint, args.seed_script)
+            rep = report(endpoint)
+            seed["bit_exact"] = bool(rep["ok"]) and all(
+                not w["mismatches"] and not w["missing"] and w["tensors_received"] == n_tensors
+                for w in rep["workers"]
+            )
         for mode in args.register_modes.split(","):
             for i in range(args.runs):
                 if i == 0 and limits["cold_read_gb_s"] is not None:
@@ -262,8 +318,10 @@ def main() -> None:
         "torch": torch.__version__,
         "limits": limits,
         "runs": runs,
+        "seed_script": seed,
         "command": f"python bench/bench_update.py --model {args.model} --tp {args.tp} --runs {args.runs}"
         f" --register-modes {args.register_modes}"
+        + (" --seed-script SEED" if args.seed_script else "")
         + (f" --extra '{args.extra}'" if args.extra else ""),
     }
     out = Path(args.out)
@@ -307,6 +365,14 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{upd_s:.2f} ({doc['total_bytes'] / upd_s / 1e9 if upd_s else 0:.1f}) | "
             f"{max(r['peak_rss_bytes'] for r in ranks) / 1e9:.1f} | {run['bit_exact']} |"
         )
+    seed = doc.get("seed_script")
+    if seed:
+        rss = seed["max_rss_bytes"]
+        lines.append(
+            f"| seed | the seed script | cold | {seed['torchrun_wall_s']:.2f} | - | - | "
+            f"{_s(seed['gather_s'])} | {_s(seed['update_s'])} | "
+            f"{'-' if rss is None else f'{rss / 1e9:.1f}'} | {seed['bit_exact']} |"
+        )
     best = min(doc["runs"], key=lambda r: r["torchrun_wall_s"])
     lines += [
         "",
@@ -316,7 +382,17 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['total_bytes'] / max(max(r['stages']['update']['seconds'] for r in best['summary']['ranks']), 1e-9) / 1e9 / lim['pinned_h2d_gb_s']:.2f}.",
         "",
     ]
+    if seed:
+        lines[-1:] = [
+            f"Best run / the seed script, same run: wall "
+            f"{best['torchrun_wall_s'] / seed['torchrun_wall_s']:.2f}x.",
+            "",
+        ]
     return "\n".join(lines)
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _f(x: float | None) -> str:
