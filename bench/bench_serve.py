@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -74,6 +75,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pushes", type=int, default=10)
     parser.add_argument("--register-mode", default="direct", choices=["engine", "direct"])
+    parser.add_argument(
+        "--consume-pushes",
+        type=int,
+        default=2,
+        help="then this many pushes from /dev/shm with --consume-shm-files",
+    )
     parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = parser.parse_args()
@@ -86,6 +93,7 @@ def main() -> None:
     index = json.loads((ckpts[0] / "model.safetensors.index.json").read_text())
     total, n_tensors = index["metadata"]["total_size"], len(index["weight_map"])
     sock = f"/tmp/ckptctl-bench-serve-{os.getpid()}.sock"
+    shm_dir = Path("/dev/shm") / f"ckptctl-bench-{os.getpid()}"
     receiver, endpoint = start_receiver(ckpts[0], args.tp)
     gpu_before = gpu_memory_used_mib()
     cmd = [
@@ -105,12 +113,23 @@ def main() -> None:
             time.sleep(0.1)
         startup_s = time.perf_counter() - t_start
         ranks = serve_ranks(job.pid)
-        for i in range(args.pushes):
+        for i in range(args.pushes + args.consume_pushes):
             ckpt = ckpts[i % 2]
+            consume = i >= args.pushes
+            extra, copy_s = [], None
+            if consume:
+                # A trainer that writes its checkpoint into /dev/shm and hands it over: the
+                # copy stands in for its write (timed apart), the push pins the files in place
+                # and deletes them, as --consume-shm-files says.
+                t0 = time.perf_counter()
+                shutil.copytree(ckpt, shm_dir)
+                copy_s = time.perf_counter() - t0
+                extra = ["--consume-shm-files"]
             set_receiver(endpoint, verify_against=str(ckpt))
             t0 = time.perf_counter()
-            r = ckptctl("push", "--control-socket", sock, "--checkpoint-path", str(ckpt),
-                        "--weight-version", f"v{i}", "--json")  # fmt: skip
+            r = ckptctl("push", "--control-socket", sock, "--checkpoint-path",
+                        str(shm_dir if consume else ckpt), "--weight-version", f"v{i}",
+                        "--json", *extra)  # fmt: skip
             seconds = time.perf_counter() - t0
             if r.returncode != 0:
                 raise SystemExit(f"push {i} failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -118,6 +137,9 @@ def main() -> None:
             row: dict[str, Any] = {
                 "push": i,
                 "checkpoint": ckpt.name,
+                "path": "/dev/shm, consumed" if consume else "disk (page cache)",
+                "shm_copy_s": None if copy_s is None else round(copy_s, 3),
+                "shm_files_left": sorted(os.listdir(shm_dir)) if consume else None,
                 "client_wall_s": round(seconds, 3),
                 "result": json.loads(r.stdout),
                 "bit_exact": bool(rep["ok"])
@@ -129,6 +151,8 @@ def main() -> None:
                 "gpu_memory_used_mib": gpu_memory_used_mib(),
                 "rank_rss_bytes": rss_bytes(ranks),
             }
+            if consume:
+                shutil.rmtree(shm_dir, ignore_errors=True)  # what is left of it (the index)
             pushes.append(row)
             print(f"push {i}: {seconds:.2f}s bit-exact={row['bit_exact']}", flush=True)
             if i == 5:  # a refused push, then the job goes on
@@ -168,7 +192,8 @@ def main() -> None:
         "status_at_end": status,
         "command": " ".join(cmd[2:]),
         "bench_command": f"python bench/bench_serve.py --model {args.model} --tp {args.tp} "
-        f"--pushes {args.pushes} --register-mode {args.register_mode}",
+        f"--pushes {args.pushes} --register-mode {args.register_mode} "
+        f"--consume-pushes {args.consume_pushes}",
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,9 +215,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"exit code after POST /stop: {doc['serve_exit_code']}; refused push: exit "
         f"{doc['refused_push']['exit_code']} in {doc['refused_push']['seconds']:.2f} s.",
         "",
-        "| push | client wall s | register s | gather s | update s | bit-exact | "
+        "| push | from | client wall s | register s | gather s | update s | bit-exact | "
         "GPU MiB used (per GPU) | serve rank RSS GB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in doc["pushes"]:
         ranks = row["result"].get("ranks") or []
@@ -206,14 +231,27 @@ def markdown(doc: dict[str, Any]) -> str:
             return f"{max(vals):.2f}" if vals else "-"
 
         lines.append(
-            f"| {row['push']} | {row['client_wall_s']:.2f} | {stage('register')} | "
+            f"| {row['push']} | {row.get('path', 'disk')} | {row['client_wall_s']:.2f} | "
+            f"{stage('register')} | "
             f"{stage('gather_metas')} | {stage('update')} | {row['bit_exact']} | "
             f"{row['gpu_memory_used_mib']} | "
             f"{[round(x / 1e9, 1) for x in row['rank_rss_bytes']]} |"
         )
-    walls = sorted(r["client_wall_s"] for r in doc["pushes"][1:])
+    walls = sorted(r["client_wall_s"] for r in doc["pushes"][1:] if r.get("shm_copy_s") is None)
     if walls:
         lines += ["", f"Median push after the first: {walls[len(walls) // 2]:.2f} s.", ""]
+    consumed = [r for r in doc["pushes"] if r.get("shm_copy_s") is not None]
+    if consumed:
+        lines += [
+            "From /dev/shm with --consume-shm-files: pushes "
+            + ", ".join(f"{r['client_wall_s']:.2f}" for r in consumed)
+            + " s (the trainer's write, a copy here, took "
+            + ", ".join(f"{r['shm_copy_s']:.2f}" for r in consumed)
+            + " s apart from that); left in the folder afterwards: "
+            + "; ".join(str(r["shm_files_left"]) for r in consumed)
+            + ".",
+            "",
+        ]
     return "\n".join(lines)
 
 
