@@ -391,7 +391,9 @@ def gpu_executor(
                     job, assignment, servers.engine, servers.weight_version
                 )
         except BaseException:
-            session.unregister(name, pool)  # this push failed: keep serving the previous one
+            # This push failed: drop it. The previous one stays registered (in direct mode
+            # its buffers were refilled above; the server still holds its weights).
+            session.unregister(name, pool)
             raise
         previous, state["registered"] = state.get("registered"), name
         if previous is not None:
