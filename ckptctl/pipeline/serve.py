@@ -391,8 +391,9 @@ def gpu_executor(
                     job, assignment, servers.engine, servers.weight_version
                 )
         except BaseException:
-            # This push failed: drop it. The previous one stays registered (in direct mode
-            # its buffers were refilled above; the server still holds its weights).
+            # This push failed: drop it. The previous one stays registered, except in direct
+            # mode, which released it above to refill its buffers; either way the server
+            # keeps the weights it had (a push refused before the transfer).
             session.unregister(name, pool)
             raise
         previous, state["registered"] = state.get("registered"), name
