@@ -23,7 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from bench_update import free_master_port, report, start_receiver, write_checkpoint  # noqa: E402
+from bench_update import (  # noqa: E402
+    all_received,
+    report,
+    start_receiver,
+    write_checkpoint,
+    write_results,
+)
+from fake_server import torchrun_cmd  # noqa: E402
 
 
 def ckptctl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -96,13 +103,12 @@ def main() -> None:
     shm_dir = Path("/dev/shm") / f"ckptctl-bench-{os.getpid()}"
     receiver, endpoint = start_receiver(ckpts[0], args.tp)
     gpu_before = gpu_memory_used_mib()
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.tp),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_master_port()),
+    cmd = torchrun_cmd(
         "--no-python", "ckptctl", "serve", "--control-socket", sock,
         "--inference-parallel-size", str(args.tp), "--endpoint", endpoint,
         "--register-mode", args.register_mode, "--push-timeout", "300",
-    ]  # fmt: skip
+        nproc=args.tp,
+    )  # fmt: skip
     t_start = time.perf_counter()
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pushes: list[dict[str, Any]] = []
@@ -142,12 +148,7 @@ def main() -> None:
                 "shm_files_left": sorted(os.listdir(shm_dir)) if consume else None,
                 "client_wall_s": round(seconds, 3),
                 "result": json.loads(r.stdout),
-                "bit_exact": bool(rep["ok"])
-                and rep["weight_version"] == f"v{i}"
-                and all(
-                    not w["mismatches"] and not w["missing"] and w["tensors_received"] == n_tensors
-                    for w in rep["workers"]
-                ),
+                "bit_exact": all_received(rep, n_tensors) and rep["weight_version"] == f"v{i}",
                 "gpu_memory_used_mib": gpu_memory_used_mib(),
                 "rank_rss_bytes": rss_bytes(ranks),
             }
@@ -195,12 +196,9 @@ def main() -> None:
         f"--pushes {args.pushes} --register-mode {args.register_mode} "
         f"--consume-pushes {args.consume_pushes}",
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"serve-{args.model}-tp{args.tp}-{args.register_mode}"
-    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(doc))
-    print(markdown(doc))
+    write_results(
+        args.out, f"serve-{args.model}-tp{args.tp}-{args.register_mode}", doc, markdown(doc)
+    )
 
 
 def markdown(doc: dict[str, Any]) -> str:

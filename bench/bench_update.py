@@ -26,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from fake_server import free_master_port, free_port  # noqa: E402
+from fake_server import free_port, torchrun_cmd  # noqa: E402
 
 GiB = 1 << 30
 
@@ -120,18 +120,7 @@ def bare_torchrun_seconds(tp: int) -> float:
         fh.write(_BARE)
     t0 = time.perf_counter()
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(tp),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            fh.name,
-        ],
+        torchrun_cmd(fh.name, nproc=tp),
         check=True,
         capture_output=True,
         timeout=300,
@@ -166,28 +155,11 @@ def start_receiver(ckpt: Path, tp: int) -> tuple[subprocess.Popen[str], str]:
 
 
 def run_update(ckpt: Path, tp: int, endpoint: str, extra: list[str]) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(tp),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_master_port()),
-        "--no-python",
-        "ckptctl",
-        "update",
-        "--checkpoint-path",
-        str(ckpt),
-        "--inference-parallel-size",
-        str(tp),
-        "--endpoint",
-        endpoint,
-        "--json",
-        *extra,
-    ]
+    cmd = torchrun_cmd(
+        "--no-python", "ckptctl", "update", "--checkpoint-path", str(ckpt),
+        "--inference-parallel-size", str(tp), "--endpoint", endpoint, "--json", *extra,
+        nproc=tp,
+    )  # fmt: skip
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - t0
@@ -211,10 +183,9 @@ def run_seed(ckpt: Path, tp: int, endpoint: str, script: str) -> dict[str, Any]:
     import re
 
     cmd = [
-        sys.executable, "-c", _RSS_WRAPPER, sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
-        "--master-port", str(free_master_port()), script, "--checkpoint-path", str(ckpt),
-        "--inference-parallel-size", str(tp), "--endpoint", endpoint,
+        sys.executable, "-c", _RSS_WRAPPER,
+        *torchrun_cmd(script, "--checkpoint-path", str(ckpt), "--inference-parallel-size",
+                      str(tp), "--endpoint", endpoint, nproc=tp),
     ]  # fmt: skip
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -241,6 +212,22 @@ def report(endpoint: str) -> dict[str, Any]:
     import httpx
 
     return httpx.get(f"{endpoint}/receiver/report", timeout=60).json()
+
+
+def all_received(rep: dict[str, Any], n_tensors: int) -> bool:
+    """The receiver's report of the last update: every worker got every tensor, bit for bit."""
+    return bool(rep["ok"]) and all(
+        not w["mismatches"] and not w["missing"] and w["tensors_received"] == n_tensors
+        for w in rep["workers"]
+    )
+
+
+def write_results(out_dir: str, stem: str, doc: dict[str, Any], md: str) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(md)
+    print(md)
 
 
 def main() -> None:
@@ -285,24 +272,16 @@ def main() -> None:
             if limits["cold_read_gb_s"] is not None:
                 read_bandwidth(shards, cold=True)  # from a cold cache, as our first runs
             seed = run_seed(ckpt, args.tp, endpoint, args.seed_script)
-            rep = report(endpoint)
-            seed["bit_exact"] = bool(rep["ok"]) and all(
-                not w["mismatches"] and not w["missing"] and w["tensors_received"] == n_tensors
-                for w in rep["workers"]
-            )
+            seed["bit_exact"] = all_received(report(endpoint), n_tensors)
         for mode in args.register_modes.split(","):
             for i in range(args.runs):
                 if i == 0 and limits["cold_read_gb_s"] is not None:
                     read_bandwidth(shards, cold=True)  # the first run starts from a cold cache
                 extra = [*args.extra.split(), "--register-mode", mode]
                 run = run_update(ckpt, args.tp, endpoint, extra)
-                rep = report(endpoint)
                 run["register_mode"] = mode
                 run["cache"] = "cold" if i == 0 and limits["cold_read_gb_s"] is not None else "warm"
-                run["bit_exact"] = bool(rep["ok"]) and all(
-                    not w["mismatches"] and not w["missing"] and w["tensors_received"] == n_tensors
-                    for w in rep["workers"]
-                )
+                run["bit_exact"] = all_received(report(endpoint), n_tensors)
                 runs.append(run)
     finally:
         receiver.terminate()
@@ -324,12 +303,7 @@ def main() -> None:
         + (" --seed-script SEED" if args.seed_script else "")
         + (f" --extra '{args.extra}'" if args.extra else ""),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"update-{args.model}-tp{args.tp}"
-    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(doc))
-    print(markdown(doc))
+    write_results(args.out, f"update-{args.model}-tp{args.tp}", doc, markdown(doc))
 
 
 def markdown(doc: dict[str, Any]) -> str:

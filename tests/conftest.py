@@ -86,20 +86,6 @@ def assert_failure_document(stdout: str, code: int) -> dict:
     return doc
 
 
-def torchrun_cmd(
-    *program: str, nproc: int = 2, nnodes: int = 1, node_rank: int = 0, port: int | None = None
-) -> list[str]:
-    """A real `torchrun` (torch.distributed.run) of `program` on loopback."""
-    from fake_server import free_master_port
-
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(port or free_master_port()),
-        *program,
-    ]  # fmt: skip
-
-
 def wait_for_path(path: str, timeout: float = 60) -> bool:
     """Wait until `path` exists (a job's control socket, a file it writes)."""
     import time

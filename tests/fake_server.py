@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import socketserver
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -332,6 +333,18 @@ def free_master_port() -> int:
             except OSError:
                 continue
         return port
+
+
+def torchrun_cmd(
+    *program: str, nproc: int = 2, nnodes: int = 1, node_rank: int = 0, port: int | None = None
+) -> list[str]:
+    """A real `torchrun` (torch.distributed.run) of `program` on loopback (tests and benches)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(port or free_master_port()),
+        *program,
+    ]  # fmt: skip
 
 
 def main() -> None:

@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import torchrun_cmd
-from fake_server import free_port
+from fake_server import free_port, torchrun_cmd
 
 SCRIPT = str(Path(__file__).with_name("coordination_rank.py"))
 

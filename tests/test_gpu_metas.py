@@ -11,14 +11,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from ckpt_factory import mixed_tensors, write_real_checkpoint
 from conftest import run_script
-from fake_server import free_master_port
+from fake_server import torchrun_cmd
 from gpu_receiver import ReceiverServer
 
 pytestmark = [pytest.mark.gpu]
@@ -36,22 +35,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _torchrun(*args: str) -> subprocess.Popen[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_master_port()),
-        "--no-python",
-        "ckptctl",
-        *args,
-    ]
     return subprocess.Popen(
-        cmd,
+        torchrun_cmd("--no-python", "ckptctl", *args, nproc=1),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

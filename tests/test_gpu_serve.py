@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 from ckpt_factory import write_real_checkpoint
 from conftest import run_script
-from fake_server import free_master_port
+from fake_server import torchrun_cmd
 from gpu_receiver import ReceiverServer
 
 pytestmark = [pytest.mark.gpu]
@@ -47,16 +46,7 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
     sock = str(short_tmp / "serve.sock")
     with ReceiverServer(ckpts[0], [0]) as rx:
         job = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(free_master_port()),
+            torchrun_cmd(
                 "--no-python",
                 "ckptctl",
                 "serve",
@@ -68,7 +58,8 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
                 rx.endpoint,
                 "--push-timeout",
                 "120",
-            ],
+                nproc=1,
+            ),  # fmt: skip
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -13,14 +13,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from ckpt_factory import mixed_tensors, write_real_checkpoint
-from fake_server import free_master_port, free_port
+from fake_server import free_master_port, free_port, torchrun_cmd
 from gpu_receiver import ReceiverConfig, ReceiverServer
 
 pytestmark = [pytest.mark.gpu]
@@ -89,25 +88,10 @@ def _torchrun(
     master_port: int | None = None,
     wait: bool = True,
 ) -> Any:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--nnodes",
-        str(nnodes),
-        "--node-rank",
-        str(node_rank),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(master_port or free_master_port()),
-        "--no-python",
-        "ckptctl",
-        "update",
-        *args,
-    ]
+    cmd = torchrun_cmd(
+        "--no-python", "ckptctl", "update", *args,
+        nproc=nproc, nnodes=nnodes, node_rank=node_rank, port=master_port,
+    )  # fmt: skip
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         cmd,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import run_script, torchrun_cmd, wait_for_path
+from conftest import run_script, wait_for_path
+from fake_server import torchrun_cmd
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 SCRIPT = str(Path(__file__).with_name("serve_rank.py"))

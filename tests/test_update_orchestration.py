@@ -6,13 +6,14 @@ ParameterServer is replaced (tests/cpu_ps_rank.py): it needs CUDA, and the GPU t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import torchrun_cmd, wait_for_path
-from fake_server import Behaviour, FakeServer, free_port
+from conftest import wait_for_path
+from fake_server import Behaviour, FakeServer, free_port, torchrun_cmd
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))
@@ -25,6 +26,30 @@ def _torchrun(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return r, time.monotonic() - t0
+
+
+def _serve_job(sock: str, endpoint: str, *extra: str, **env: str) -> subprocess.Popen[str]:
+    """A 2-rank `serve` job with the PS stood in, on control socket `sock`."""
+
+    return subprocess.Popen(
+        torchrun_cmd(
+            SCRIPT,
+            "serve",
+            "--control-socket",
+            sock,
+            "--inference-parallel-size",
+            "2",
+            "--endpoint",
+            endpoint,
+            "--push-timeout",
+            "30",
+            *extra,
+        ),  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
 
 
 def _updates(server: FakeServer) -> list[dict]:
@@ -102,23 +127,7 @@ def test_serve_pushes_and_survives_a_refused_push(short_tmp: Path) -> None:
 
     sock = str(short_tmp / "serve.sock")
     with FakeServer(Behaviour()) as s:
-        job = subprocess.Popen(
-            torchrun_cmd(
-                SCRIPT,
-                "serve",
-                "--control-socket",
-                sock,
-                "--inference-parallel-size",
-                "2",
-                "--endpoint",
-                s.endpoint,
-                "--push-timeout",
-                "30",
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        job = _serve_job(sock, s.endpoint)
         try:
             assert wait_for_path(sock)
             ok = run_script(
@@ -178,7 +187,6 @@ def test_serve_direct_refills_one_pool_push_after_push(tmp_path: Path, short_tmp
     """serve --register-mode direct: every push reads its checkpoint into the buffers the first
     push allocated (and pinned, on a GPU), a refused push included, each time with the right
     bytes."""
-    import os
 
     import httpx
     from conftest import run_script
@@ -186,26 +194,7 @@ def test_serve_direct_refills_one_pool_push_after_push(tmp_path: Path, short_tmp
     ck1, ck2 = _filled_checkpoint(tmp_path / "one", 1), _filled_checkpoint(tmp_path / "two", 2)
     sock, log = str(short_tmp / "serve.sock"), str(tmp_path / "registered")
     with FakeServer(Behaviour()) as s:
-        job = subprocess.Popen(
-            torchrun_cmd(
-                SCRIPT,
-                "serve",
-                "--control-socket",
-                sock,
-                "--inference-parallel-size",
-                "2",
-                "--endpoint",
-                s.endpoint,
-                "--push-timeout",
-                "30",
-                "--register-mode",
-                "direct",
-            ),  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "CPU_PS_LOG": log},
-        )
+        job = _serve_job(sock, s.endpoint, "--register-mode", "direct", CPU_PS_LOG=log)
         try:
             assert wait_for_path(sock)
 
