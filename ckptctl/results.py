@@ -7,7 +7,8 @@ empty or half-written file. Only rank 0 writes.
 
 GPU jobs also keep native libraries off stdout: NCCL (with NCCL_DEBUG) and CUDA print to file
 descriptor 1 directly. `protect_stdout` points fd 1 at stderr while the job runs and keeps the
-real stdout for the result.
+real stdout for the result. Once it is written, `leave_group_to_exit` ends a GPU job's process
+without the NCCL teardown.
 """
 
 from __future__ import annotations
@@ -69,3 +70,21 @@ def protect_stdout() -> Iterator[None]:
         real.close()
         if previous is not None:
             _stream = previous
+
+
+def leave_group_to_exit(code: int) -> None:
+    """End the process now if this job left its NCCL process group alive; else return.
+
+    The group is kept from one update to the next (ParameterServerSession.ensure_group) and
+    not destroyed at the end: destroying an NCCL communicator waits up to 0.5 s for its proxy
+    thread's poll tick, and by the time this is called our buffers are unregistered and the
+    results printed. The process's exit releases the rest.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_available():
+        return
+    if not torch.distributed.is_initialized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))

@@ -32,9 +32,7 @@ def run_job_with_display(
     elif out.is_primary:
         # A job that reports per-rank stages gets the table; others (serve) one line.
         out.show(stage_table(summary) if summary.get("ranks") else _one_line(summary))
-    from ckptctl.pipeline.job import leave_group_to_exit
-
-    leave_group_to_exit(0)  # a GPU job ends here, without the NCCL teardown (see there)
+    results.leave_group_to_exit(0)  # a GPU job ends here, without the NCCL teardown (see there)
     return summary
 
 

@@ -85,24 +85,6 @@ def prepare_environment(
     return launch
 
 
-def leave_group_to_exit(code: int) -> None:
-    """End the process now if this job left its NCCL process group alive; else return.
-
-    The group is kept from one update to the next (ParameterServerSession.ensure_group) and
-    not destroyed at the end: destroying an NCCL communicator waits up to 0.5 s for its proxy
-    thread's poll tick, and by the time this is called our buffers are unregistered and the
-    results printed. The process's exit releases the rest.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.distributed.is_available():
-        return
-    if not torch.distributed.is_initialized():
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(int(code))
-
-
 def bucket_size_env(gb: float) -> str:
     """PS_MAX_BUCKET_SIZE_GB for about `gb` GiB, rounded to whole MiB.
 

@@ -317,7 +317,7 @@ class ParameterServerSession:
         With auto_pg, checkpoint-engine destroys the group at the end of every update, and
         destroying an NCCL communicator waits for its proxy thread's next 500 ms poll tick:
         half of the update stage's fixed second, measured (bench/pg_destroy_probe.py). Built
-        here instead, it lives until the process ends (see job.leave_group_to_exit).
+        here instead, it lives until the process ends (see results.leave_group_to_exit).
         """
         from checkpoint_engine import distributed as dist
 

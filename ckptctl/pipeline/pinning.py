@@ -222,7 +222,7 @@ class ShareReader:
         import torch
 
         self.buckets = layout(tensors)
-        self._pinned_pool = pool
+        self._pool = pool
         if pool is None:
             self._buffers = [torch.empty(b.size, dtype=torch.uint8) for b in self.buckets]
             self._pinned = [False] * len(self.buckets)
@@ -231,10 +231,10 @@ class ShareReader:
             self._buffers = [buffer for buffer, _ in taken]
             self._pinned = [pinned for _, pinned in taken]
             pool.trim()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-read")
+        self._reading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-read")
         self._started = time.perf_counter()
         self.read_seconds: float | None = None
-        self._future = self._pool.submit(self._read, checkpoint, threads)
+        self._future = self._reading.submit(self._read, checkpoint, threads)
 
     def _read(self, checkpoint: Checkpoint, threads: int) -> None:
         fill(checkpoint, self.buckets, self._buffers, threads)
@@ -261,14 +261,14 @@ class ShareReader:
             self._abandon()
             raise
         finally:
-            self._pool.shutdown(wait=True)
+            self._reading.shutdown(wait=True)
 
     def _abandon(self) -> None:
         """After a failed read or pin: pinned memory goes back to the pool or is unpinned, so
         that a failed push neither leaks it nor leaves an unpinned buffer in the pool."""
         for buffer, pinned in zip(self._buffers, self._pinned, strict=True):
-            if self._pinned_pool is not None:
-                self._pinned_pool.release(buffer, pinned)
+            if self._pool is not None:
+                self._pool.release(buffer, pinned)
             elif pinned:
                 unpin(buffer)
 

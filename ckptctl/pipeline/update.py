@@ -82,11 +82,14 @@ def check_consumable(plan: Any) -> None:
             f"({largest.nbytes} bytes) is not a multiple of {widest} bytes, which in-place "
             "pinning's buffers would need: drop --consume-shm-files"
         )
-    for file in checkpoint.files:
+    in_file: dict[str, list[Any]] = {f: [] for f in checkpoint.files}
+    for t in checkpoint.tensors:  # (in read order: file, then offset)
+        in_file[t.file].append(t)
+    for file, tensors in in_file.items():
         path = checkpoint.path_of(file)
         with open(path, "rb") as fh:
             at = 8 + int.from_bytes(fh.read(8), "little")  # where the data area starts
-        for t in sorted((t for t in checkpoint.tensors if t.file == file), key=lambda t: t.start):
+        for t in tensors:
             if t.start != at:
                 raise InvalidInput(
                     f"{path}: {t.start - at} bytes between tensor {t.name!r} and the one before; "
