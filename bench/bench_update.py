@@ -131,7 +131,9 @@ def bare_torchrun_seconds(tp: int) -> float:
 # -- the run -------------------------------------------------------------------------------------
 
 
-def start_receiver(ckpt: Path, tp: int) -> tuple[subprocess.Popen[str], str]:
+def start_receiver(
+    ckpt: Path, tp: int, profile: str = "sglang-0.5.23"
+) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -142,6 +144,8 @@ def start_receiver(ckpt: Path, tp: int) -> tuple[subprocess.Popen[str], str]:
             ",".join(map(str, range(tp))),
             "--port",
             str(free_port()),
+            "--profile",
+            profile,
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -264,7 +268,10 @@ def main() -> None:
         "warm_read_gb_s": read_bandwidth(shards, cold=False),
         "bare_torchrun_import_torch_nccl_s": bare_torchrun_seconds(args.tp),
     }
-    receiver, endpoint = start_receiver(ckpt, args.tp)
+    # The seed polls /ping until it answers 200, which SGLang 0.5.23 does only after the first
+    # weights: it runs against 0.5.22's behaviour (200 at once), as it was written for.
+    profile = "sglang-0.5.22" if args.seed_script else "sglang-0.5.23"
+    receiver, endpoint = start_receiver(ckpt, args.tp, profile)
     runs = []
     seed: dict[str, Any] | None = None
     try:

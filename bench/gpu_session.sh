@@ -5,7 +5,8 @@
 #     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench "$OUT"    # update A/B + serve pushes, ~5 min
 # The whole suite no longer fits one call (it ran past 570 s on 2026-11-29), hence a and b.
 # bench: the update benchmark (Qwen3-8B shapes, TP2, checkpoint-engine's registration and ours
-#        side by side, the machine's limits measured in the same run), then 10 serve pushes.
+#        side by side, the machine's limits measured in the same run), then 10 serve pushes
+#        from disk and 2 from /dev/shm (--consume-shm-files).
 # Results land in the folder given (default bench/results/latest): pytest.log,
 # gpu_tests.jsonl, update-qwen3-8b-tp2.{json,md}, serve-qwen3-8b-tp2-direct.{json,md}.
 # Commit what is worth keeping.
@@ -27,13 +28,16 @@ tests-a | tests-b)
     ;;
 bench)
     # The seed script side by side when a copy is carried in .seed/ (tests/README-gpu.md).
+    # Where the bare floor goes: one warm `import torch`, its slowest modules.
+    { time python3 -X importtime -c "import torch" 2>"$out/importtime.log"; } 2>"$out/import-torch.txt"
+    sort -t'|' -k2 -n "$out/importtime.log" | tail -6 >>"$out/import-torch.txt"
     seed=()
     if [ -f .seed/update.py ]; then seed=(--seed-script .seed/update.py); fi
     timeout 360 python3 bench/bench_update.py --model qwen3-8b --tp 2 --runs 1 \
         --register-modes engine,direct "${seed[@]}" --out "$out" >"$out/bench.log" 2>&1
     tail -12 "$out/bench.log"
-    timeout 240 python3 bench/bench_serve.py --model qwen3-8b --tp 2 --pushes 10 \
-        --register-mode direct --out "$out" >"$out/serve.log" 2>&1
+    timeout 300 python3 bench/bench_serve.py --model qwen3-8b --tp 2 --pushes 10 \
+        --consume-pushes 2 --register-mode direct --out "$out" >"$out/serve.log" 2>&1
     tail -20 "$out/serve.log"
     ;;
 *)

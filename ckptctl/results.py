@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, TextIO
 
@@ -83,7 +84,10 @@ def leave_group_to_exit(code: int) -> None:
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_available():
         return
-    if not torch.distributed.is_initialized():
+    # A group still being built (a rank failed before its first gather) is left the same way:
+    # an interpreter shutdown under a thread inside NCCL's set-up may hang or crash.
+    building = any(t.name == "ckptctl-group" and t.is_alive() for t in threading.enumerate())
+    if not torch.distributed.is_initialized() and not building:
         return
     sys.stdout.flush()
     sys.stderr.flush()

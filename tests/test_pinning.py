@@ -151,14 +151,14 @@ def test_a_pool_refills_the_same_buffers_with_the_next_checkpoint(tmp_path: Path
     first, _ = _share_of(tmp_path / "a", seed=1)
     second, want = _share_of(tmp_path / "b", seed=2)
     a = read_checkpoint(first)
-    buffers = pinning.ShareReader(a, list(a.tensors), pool=pool).result(pin=False)
+    buffers = pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
     ptrs = sorted(b.buffer.data_ptr() for b in buffers)
     pool.give_back(buffers)
     assert pool.pinned_bytes == sum(b.size for b in buffers)
 
     b = read_checkpoint(second)
-    again = pinning.ShareReader(b, list(b.tensors), pool=pool)
-    refilled = again.result(pin=False)
+    again = pinning.ShareReader(b, list(b.tensors), pool=pool, pin=False)
+    refilled = again.result()
     assert sorted(x.buffer.data_ptr() for x in refilled) == ptrs  # the same memory
     _check_bytes(refilled, want)
     assert pool.pinned_bytes == sum(b.size for b in buffers)  # nothing new was allocated
@@ -174,7 +174,7 @@ def test_a_failed_read_gives_the_pools_memory_back(
     pool = pinning.PinnedPool()
     first, _ = _share_of(tmp_path / "a", seed=1)
     a = read_checkpoint(first)
-    pool.give_back(pinning.ShareReader(a, list(a.tensors), pool=pool).result(pin=False))
+    pool.give_back(pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result())
     pinned_before = pool.pinned_bytes
 
     second, _ = _share_of(tmp_path / "b", seed=2)
@@ -185,12 +185,12 @@ def test_a_failed_read_gives_the_pools_memory_back(
     for f in c.files:  # the writer is still at it: shorter than its header says
         path = c.path_of(f)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    reader = pinning.ShareReader(c, list(c.tensors), pool=pool)
+    reader = pinning.ShareReader(c, list(c.tensors), pool=pool, pin=False)
     with pytest.raises(Exception, match="ends before tensor"):
-        reader.result(pin=False)
+        reader.result()
     assert pool.pinned_bytes == 0  # the small pinned one was trimmed as surplus, the new dropped
     assert unpinned == [pinned_before]  # ... and the trimmed one unpinned
-    again = pinning.ShareReader(b, list(b.tensors), pool=pool).result(pin=False)
+    again = pinning.ShareReader(b, list(b.tensors), pool=pool, pin=False).result()
     assert pool.pinned_bytes == sum(x.size for x in again) <= pinned_before
 
 
@@ -201,7 +201,7 @@ def test_a_failed_read_keeps_a_pooled_buffer_pinned_for_the_next_push(
     pool = pinning.PinnedPool()
     first, _ = _share_of(tmp_path / "a", seed=1)
     a = read_checkpoint(first)
-    taken = pinning.ShareReader(a, list(a.tensors), pool=pool).result(pin=False)
+    taken = pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
     ptrs = sorted(x.buffer.data_ptr() for x in taken)
     pool.give_back(taken)
 
@@ -211,7 +211,58 @@ def test_a_failed_read_keeps_a_pooled_buffer_pinned_for_the_next_push(
         path = b.path_of(f)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(Exception, match="ends before tensor"):
-        pinning.ShareReader(b, list(b.tensors), pool=pool).result(pin=False)
+        pinning.ShareReader(b, list(b.tensors), pool=pool, pin=False).result()
     assert pool.pinned_bytes == sum(x.size for x in taken)  # back in the pool, still pinned
-    again = pinning.ShareReader(a, list(a.tensors), pool=pool).result(pin=False)
+    again = pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
     assert sorted(x.buffer.data_ptr() for x in again) == ptrs
+
+
+def test_pinning_happens_in_the_reading_thread_before_anyone_asks(
+    monkeypatch: pytest.MonkeyPatch, ckpt: Path
+) -> None:
+    """The share is pinned where it is read, while the ParameterServer starts: by the time the
+    register stage asks for it, every bucket is pinned (here: pinning recorded, no CUDA)."""
+    import threading
+
+    monkeypatch.setattr(pinning, "MIN_BUCKET", 700_000)
+    pinned_by: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        pinning,
+        "pin_in_place",
+        lambda b: pinned_by.append((threading.current_thread().name, b.numel())),
+    )
+    checkpoint = read_checkpoint(ckpt)
+    reader = pinning.ShareReader(checkpoint, list(checkpoint.tensors), pin=True)
+    reader._future.result(timeout=60)  # done on its own, before result() is called
+    assert [size for _, size in pinned_by] == [b.size for b in reader.buckets]
+    assert all(name.startswith("ckptctl-read") for name, _ in pinned_by)
+    assert reader.pin_seconds is not None
+    buffers = reader.result()
+    assert len(buffers) == len(reader.buckets) >= 3
+    assert all(b.manually_pinned for b in buffers)
+    assert len(pinned_by) == len(reader.buckets)  # result() pinned nothing again
+
+
+def test_a_failed_pin_unpins_what_was_pinned_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, ckpt: Path
+) -> None:
+    from ckptctl.errors import OperationFailed
+
+    monkeypatch.setattr(pinning, "MIN_BUCKET", 700_000)
+    pinned: list[int] = []
+    unpinned: list[int] = []
+
+    def pin(buffer: torch.Tensor) -> None:
+        if len(pinned) == 2:
+            raise OperationFailed(
+                f"cannot pin {buffer.numel()} bytes of host memory (CUDA error 2)"
+            )
+        pinned.append(buffer.data_ptr())
+
+    monkeypatch.setattr(pinning, "pin_in_place", pin)
+    monkeypatch.setattr(pinning, "unpin", lambda b: unpinned.append(b.data_ptr()))
+    checkpoint = read_checkpoint(ckpt)
+    reader = pinning.ShareReader(checkpoint, list(checkpoint.tensors), pin=True)
+    with pytest.raises(OperationFailed, match="cannot pin"):
+        reader.result()
+    assert sorted(unpinned) == sorted(pinned) and len(pinned) == 2

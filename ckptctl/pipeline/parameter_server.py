@@ -184,9 +184,12 @@ def last_line(traceback_text: str) -> str:
 class ParameterServerSession:
     """One rank's ParameterServer and what we need around it."""
 
-    def __init__(self, *, p2p: str, io_timeout: Callable[[], float]) -> None:
+    def __init__(
+        self, *, p2p: str, io_timeout: Callable[[], float], group_store: Any = None
+    ) -> None:
         """p2p: "off" (mooncake is never imported), "optional" (use it if it starts: joinable
-        metas), or "required" (p2p/all updates, join)."""
+        metas), or "required" (p2p/all updates, join). group_store: the job's store, where
+        the ranks meet to build the NCCL group (None for a job of one process)."""
         if p2p == "off":
             block_mooncake()
         import torch
@@ -196,6 +199,16 @@ class ParameterServerSession:
                 "no CUDA device: update needs one GPU per rank "
                 "(use --dry-run to plan a split without a GPU)"
             )
+        from ckptctl.pipeline.process_group import BackgroundProcessGroup, local_device_index
+
+        # First, so that it overlaps everything up to the first gather (process_group.py).
+        rank = int(os.environ["RANK"])
+        self._group = BackgroundProcessGroup(
+            rank=rank,
+            world_size=int(os.environ["WORLD_SIZE"]),
+            store=group_store,
+            device_index=local_device_index(rank),
+        )
         from checkpoint_engine.ps import ParameterServer
 
         self._io_timeout = io_timeout
@@ -311,18 +324,20 @@ class ParameterServerSession:
     def _worker_errors(self) -> list[str]:
         return [e for s in self.sockets[self._first_socket :] for e in s.errors]
 
+    @property
+    def group_build_seconds(self) -> float | None:
+        return self._group.seconds
+
     def ensure_group(self) -> None:
-        """The NCCL process group, built once and kept for every later gather and update.
+        """The NCCL process group (building since the session started), kept for every
+        later gather and update.
 
         With auto_pg, checkpoint-engine destroys the group at the end of every update, and
         destroying an NCCL communicator waits for its proxy thread's next 500 ms poll tick:
         half of the update stage's fixed second, measured (bench/pg_destroy_probe.py). Built
-        here instead, it lives until the process ends (see results.leave_group_to_exit).
+        by us instead, it lives until the process ends (see results.leave_group_to_exit).
         """
-        from checkpoint_engine import distributed as dist
-
-        if not dist.is_initialized():
-            self.ps.init_process_group()
+        self._group.wait(self._io_timeout())
 
     def _explain(self, exc: Exception | None) -> OperationFailed:
         """One line for what went wrong in checkpoint-engine's update, the worker's words first."""

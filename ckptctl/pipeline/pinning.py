@@ -209,8 +209,9 @@ class PinnedPool:
 
 
 class ShareReader:
-    """Reads a share in the background: reading needs no CUDA, so it can overlap the
-    ParameterServer's start-up (CUDA context, store rendezvous). `result` waits, then pins."""
+    """Reads a share in the background, then pins it there too: neither waits for the
+    ParameterServer, so both overlap its start-up (CUDA context, store rendezvous). `result`
+    waits for them and hands the buffers over."""
 
     def __init__(
         self,
@@ -218,11 +219,15 @@ class ShareReader:
         tensors: list[TensorInfo],
         threads: int = 16,
         pool: PinnedPool | None = None,
+        *,
+        pin: bool,
     ) -> None:
+        """pin: pin the buffers in place once read (needs CUDA; False for a CPU-only read)."""
         import torch
 
         self.buckets = layout(tensors)
         self._pool = pool
+        self._pin = pin
         if pool is None:
             self._buffers = [torch.empty(b.size, dtype=torch.uint8) for b in self.buckets]
             self._pinned = [False] * len(self.buckets)
@@ -234,29 +239,37 @@ class ShareReader:
         self._reading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptctl-read")
         self._started = time.perf_counter()
         self.read_seconds: float | None = None
-        self._future = self._reading.submit(self._read, checkpoint, threads)
+        self.pin_seconds: float | None = None
+        self._future = self._reading.submit(self._read_and_pin, checkpoint, threads)
 
-    def _read(self, checkpoint: Checkpoint, threads: int) -> None:
+    def _read_and_pin(self, checkpoint: Checkpoint, threads: int) -> None:
         fill(checkpoint, self.buckets, self._buffers, threads)
         self.read_seconds = time.perf_counter() - self._started
+        if not self._pin:
+            return
+        if any(b.size and not pinned for b, pinned in zip(self.buckets, self._pinned, strict=True)):
+            _use_this_ranks_gpu()
+        for i, (bucket, buffer) in enumerate(zip(self.buckets, self._buffers, strict=True)):
+            if bucket.size and not self._pinned[i]:
+                pin_in_place(buffer)
+                self._pinned[i] = True
+        self.pin_seconds = time.perf_counter() - self._started - self.read_seconds
 
-    def result(self, *, pin: bool) -> list[Any]:
-        """checkpoint-engine MemoryBuffers, pinned in place when `pin` (needs CUDA)."""
+    def result(self) -> list[Any]:
+        """checkpoint-engine MemoryBuffers (pinned in place when the reader was told to pin)."""
         from checkpoint_engine.data_types import MemoryBuffer
 
         try:
-            self._future.result()  # re-raises what the reading raised (InvalidInput...)
-            out = []
-            for i, (bucket, buffer) in enumerate(zip(self.buckets, self._buffers, strict=True)):
-                if pin and bucket.size and not self._pinned[i]:
-                    pin_in_place(buffer)
-                    self._pinned[i] = True
-                out.append(
-                    MemoryBuffer(
-                        buffer=buffer, size=bucket.size, metas=metas_of(bucket), manually_pinned=pin
-                    )
+            self._future.result()  # re-raises what reading or pinning raised (InvalidInput...)
+            return [
+                MemoryBuffer(
+                    buffer=buffer,
+                    size=bucket.size,
+                    metas=metas_of(bucket),
+                    manually_pinned=self._pin,
                 )
-            return out
+                for bucket, buffer in zip(self.buckets, self._buffers, strict=True)
+            ]
         except BaseException:
             self._abandon()
             raise
@@ -273,8 +286,19 @@ class ShareReader:
                 unpin(buffer)
 
 
+def _use_this_ranks_gpu() -> None:
+    """Make this thread's current device the rank's GPU (it is per thread), when there is one,
+    so that pinning here uses the same CUDA context as the ParameterServer."""
+    import torch
+
+    if torch.cuda.is_available():
+        from ckptctl.pipeline.process_group import local_device_index
+
+        torch.cuda.set_device(local_device_index(int(os.environ.get("RANK", "0"))))
+
+
 def read_share(
     checkpoint: Checkpoint, tensors: list[TensorInfo], *, pin: bool, threads: int = 16
 ) -> list[Any]:
     """The share as checkpoint-engine MemoryBuffers: read, then (on a GPU) pinned in place."""
-    return ShareReader(checkpoint, tensors, threads).result(pin=pin)
+    return ShareReader(checkpoint, tensors, threads, pin=pin).result()

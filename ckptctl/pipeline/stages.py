@@ -81,17 +81,21 @@ def start_parameter_server(job: Job, *, p2p: str) -> Any:
     from ckptctl.pipeline.parameter_server import ParameterServerSession
 
     with job.reporter.stage("start", "starting checkpoint-engine's parameter server"):
-        return ParameterServerSession(p2p=p2p, io_timeout=job.watchdog.remaining)
+        return ParameterServerSession(
+            p2p=p2p,
+            io_timeout=job.watchdog.remaining,
+            group_store=job.coordinator.store if job.coordinator is not None else None,
+        )
 
 
 def prefetch_share(checkpoint: Any, share: Any, mode: str, pool: Any = None) -> Any | None:
-    """In direct mode, start reading the share now, while the ParameterServer starts (into
-    the pinned buffers of `pool` when a long-lived job keeps them)."""
+    """In direct mode, start reading and pinning the share now, while the ParameterServer
+    starts (into the pinned buffers of `pool` when a long-lived job keeps them)."""
     if mode != "direct":
         return None
     from ckptctl.pipeline.pinning import ShareReader
 
-    return ShareReader(checkpoint, list(share.tensors), pool=pool)
+    return ShareReader(checkpoint, list(share.tensors), pool=pool, pin=True)
 
 
 def register_share(
@@ -116,9 +120,12 @@ def register_share(
         if mode == "direct":
             from ckptctl.pipeline.pinning import ShareReader
 
-            reader = prefetched or ShareReader(checkpoint, list(share.tensors))
-            session.register_buffers(name, reader.result(pin=True))
-            st.detail += f" (read {reader.read_seconds:.2f}s, from before the PS start)"
+            reader = prefetched or ShareReader(checkpoint, list(share.tensors), pin=True)
+            session.register_buffers(name, reader.result())
+            st.detail += (
+                f" (read {reader.read_seconds:.2f}s + pin {reader.pin_seconds or 0:.2f}s, "
+                "in the background)"
+            )
             return
         from ckptctl.checkpoint import load_rank_tensors
 
@@ -158,8 +165,10 @@ def _wait_until_listening(job: Job, assignment: GroupAssignment, engine: str) ->
 
 
 def gather_metas(job: Job, session: Any, name: str) -> None:
-    with job.reporter.stage("gather_metas", "gathering metas from every rank"):
+    with job.reporter.stage("gather_metas", "gathering metas from every rank") as st:
         session.gather(name)
+        if session.group_build_seconds is not None:
+            st.detail = f"NCCL group built in {session.group_build_seconds:.2f}s, in the background"
 
 
 def save_metas(job: Job, session: Any, path: str, name: str) -> None:

@@ -1,0 +1,119 @@
+"""The process group built in the background (process_group.py), on CPU with gloo: the ranks of
+a real torchrun job meet through the job's store, a missing rank is a bounded, reported wait,
+and a process whose group is still being built leaves without hanging."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from fake_server import torchrun_cmd
+
+REPO = Path(__file__).resolve().parent.parent
+
+TWO_RANKS = r"""
+import json, os, time
+import torch, torch.distributed as dist
+from ckptctl.launch import launch_info
+from ckptctl.pipeline.coordination import Coordinator
+from ckptctl.pipeline.process_group import BackgroundProcessGroup
+
+launch = launch_info()
+coordinator = Coordinator.connect(launch, timeout_s=30)
+t0 = time.perf_counter()
+group = BackgroundProcessGroup(rank=launch.rank, world_size=launch.world_size,
+                               store=coordinator.store, backend="gloo")
+returned_in = time.perf_counter() - t0  # the constructor must not wait for the peers
+group.wait(60)
+value = torch.tensor([launch.rank + 1.0])
+dist.all_reduce(value)  # the default group: what checkpoint-engine's collectives use
+doc = {"rank": launch.rank, "sum": value.item(), "world": dist.get_world_size(),
+       "returned_in": returned_in}
+os.write(1, (json.dumps(doc) + "\n").encode())  # one write: the ranks share the pipe
+# As the CLI ends a GPU job: a group built off the main thread can abort an interpreter
+# shutdown ("terminate called without an active exception", seen with gloo here).
+from ckptctl import results
+results.leave_group_to_exit(0)
+"""
+
+
+def test_the_ranks_of_a_torchrun_job_meet_in_the_default_group(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(TWO_RANKS)
+    r = subprocess.run(
+        torchrun_cmd(str(script), nproc=2), capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    docs = sorted((json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")),
+                  key=lambda d: d["rank"])  # fmt: skip
+    assert [d["rank"] for d in docs] == [0, 1]
+    assert all(d["sum"] == 3.0 and d["world"] == 2 for d in docs)
+    assert all(d["returned_in"] < 1.0 for d in docs)
+
+
+def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def test_a_job_of_one_process_needs_no_store() -> None:
+    r = _run("""
+        import torch.distributed as dist
+        from ckptctl.pipeline.process_group import BackgroundProcessGroup
+        g = BackgroundProcessGroup(rank=0, world_size=1, store=None, backend="gloo")
+        g.wait(30)
+        print(dist.is_initialized(), dist.get_world_size())
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "1"]
+
+
+def test_a_rank_that_never_comes_is_a_bounded_wait_and_the_process_still_leaves() -> None:
+    """Rank 1 never joins: `wait` gives up with the timeout error (exit code 4 in the CLI),
+    and leave_group_to_exit ends the process although the builder thread is still stuck in
+    the rendezvous (an interpreter shutdown under it could hang)."""
+    r = _run("""
+        import socket, sys
+        from torch.distributed import TCPStore
+        from ckptctl import results
+        from ckptctl.errors import DeadlineExceeded
+        from ckptctl.pipeline.process_group import BackgroundProcessGroup
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+        store = TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+        g = BackgroundProcessGroup(rank=0, world_size=2, store=store, backend="gloo")
+        try:
+            g.wait(1.0)
+        except DeadlineExceeded as exc:
+            print("timeout:", exc, flush=True)
+            results.leave_group_to_exit(int(exc.exit_code))
+        print("still here", flush=True)
+    """)
+    assert r.returncode == 4, r.stderr
+    assert "did not come up in time" in r.stdout
+    assert "still here" not in r.stdout
+
+
+def test_a_failed_build_is_raised_on_the_waiting_thread() -> None:
+    t0 = time.perf_counter()
+    r = _run("""
+        from ckptctl.errors import OperationFailed
+        from ckptctl.pipeline.process_group import BackgroundProcessGroup
+        g = BackgroundProcessGroup(rank=0, world_size=1, store=None, backend="no-such-backend")
+        try:
+            g.wait(30)
+        except OperationFailed as exc:
+            print("failed:", exc)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("failed: could not build the NCCL process group")
+    assert time.perf_counter() - t0 < 30
