@@ -10,6 +10,7 @@ Writes serve-<model>-tp<N>-<mode>.{json,md} to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -110,12 +111,16 @@ def main() -> None:
         nproc=args.tp,
     )  # fmt: skip
     t_start = time.perf_counter()
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    job_log = Path(args.out) / f"serve-{args.model}-tp{args.tp}-job.log"  # the ranks' stderr
+    with job_log.open("w") as log:
+        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     pushes: list[dict[str, Any]] = []
+    refused: dict[str, Any] | None = None
     try:
         while not os.path.exists(sock):
             if job.poll() is not None or time.perf_counter() - t_start > 120:
-                raise SystemExit(f"serve did not start:\n{job.communicate(timeout=30)[1][-3000:]}")
+                raise SystemExit(f"serve did not start:\n{job_log.read_text()[-3000:]}")
             time.sleep(0.1)
         startup_s = time.perf_counter() - t_start
         ranks = serve_ranks(job.pid)
@@ -138,7 +143,12 @@ def main() -> None:
                         "--json", *extra)  # fmt: skip
             seconds = time.perf_counter() - t0
             if r.returncode != 0:
-                raise SystemExit(f"push {i} failed ({r.returncode}): {r.stderr[-2000:]}")
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    job.wait(timeout=30)  # when the job died, its last words are in the log
+                raise SystemExit(
+                    f"push {i} failed ({r.returncode}): {r.stderr[-2000:]}\n"
+                    f"serve job (exit {job.poll()}), {job_log}:\n{job_log.read_text()[-4000:]}"
+                )
             rep = report(endpoint)
             row: dict[str, Any] = {
                 "push": i,
@@ -172,7 +182,7 @@ def main() -> None:
 
         with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=30) as client:
             client.post("http://serve/stop")
-        _, err = job.communicate(timeout=120)
+        job.wait(timeout=120)
     finally:
         if job.poll() is None:
             job.kill()
@@ -203,6 +213,12 @@ def main() -> None:
 
 def markdown(doc: dict[str, Any]) -> str:
     gb = doc["total_bytes"] / 1e9
+    refused = doc["refused_push"]
+    refused_text = (
+        f"exit {refused['exit_code']} in {refused['seconds']:.2f} s"
+        if refused
+        else "none (fewer than 6 pushes)"
+    )
     lines = [
         f"# `ckptctl serve` + `push`, {doc['model']} shapes ({gb:.2f} GB), TP{doc['tp']}, "
         f"--register-mode {doc['register_mode']}",
@@ -210,8 +226,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"    {doc['bench_command']}",
         "",
         f"serve start-up (torchrun to control socket): {doc['serve_startup_s']:.2f} s; "
-        f"exit code after POST /stop: {doc['serve_exit_code']}; refused push: exit "
-        f"{doc['refused_push']['exit_code']} in {doc['refused_push']['seconds']:.2f} s.",
+        f"exit code after POST /stop: {doc['serve_exit_code']}; refused push: {refused_text}.",
         "",
         "| push | from | client wall s | register s | gather s | update s | bit-exact | "
         "GPU MiB used (per GPU) | serve rank RSS GB |",

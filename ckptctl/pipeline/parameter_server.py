@@ -141,6 +141,7 @@ def release_ipc_reference(handle: Any) -> bool:
 
 
 RESCUE_PREFIX = "ckptctl: the push failed"
+IO_GRACE_S = 5.0  # how long a zmq send/receive may outlast the job's deadline
 
 
 def rescue(endpoint: str, message: str, timeout_s: float = 30.0) -> threading.Thread:
@@ -241,7 +242,9 @@ class ParameterServerSession:
 
         def bind_watched() -> tuple[Any, list[tuple[str, str]]]:
             socket, paths = bind()
-            timeout_ms = max(int(self._io_timeout() * 1000), 1)
+            # A little past the job's deadline: the watchdog, which ends the job with exit 4
+            # and names the stage that ran out, must go first (they raced: seen on 2x H200).
+            timeout_ms = max(int((self._io_timeout() + IO_GRACE_S) * 1000), 1)
             watched = ReplyWatchingSocket(socket, timeout_ms)
             self.sockets.append(watched)
             return watched, paths
