@@ -54,7 +54,10 @@ class CpuParameterServerSession:
                 fh.write(json.dumps({"name": name, "ptrs": ptrs, "fills": sorted(fills)}) + "\n")
 
     def register_files(self, name: str, files: list[str]) -> None:
+        # What checkpoint-engine's in-place pinning does with /dev/shm files: pin, then delete.
         self.registered[name] = {f: f for f in files}
+        for f in files:
+            os.remove(f)
 
     def gather(self, name: str) -> None:
         pass
@@ -99,6 +102,19 @@ if __name__ == "__main__":
     # No CUDA to pin host memory with: direct registration's buffers stay pageable.
     pinning_module.pin_in_place = lambda buffer: None  # type: ignore[assignment]
     pinning_module.unpin = lambda buffer: None  # type: ignore[assignment]
+    if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ["RANK"]:
+        # This rank checks a --consume-shm-files plan late (a slower node, a busy CPU).
+        import time
+
+        import ckptctl.pipeline.update as update_module
+
+        check = update_module.check_consumable
+
+        def slow_check(plan: Any) -> None:
+            time.sleep(2.0)
+            check(plan)
+
+        update_module.check_consumable = slow_check  # type: ignore[assignment]
     sys.argv = ["ckptctl", *sys.argv[1:]]
     from ckptctl.cli import main
 

@@ -221,3 +221,32 @@ def test_serve_direct_refills_one_pool_push_after_push(tmp_path: Path, short_tmp
         rows = [json.loads(line) for line in Path(f"{log}.{rank}").read_text().splitlines()]
         assert [r["fills"] for r in rows] == [[1], [2], [1], [1]]
         assert all(r["ptrs"] == rows[0]["ptrs"] for r in rows)  # the same memory every time
+
+
+def test_no_rank_consumes_a_file_before_every_rank_has_checked_them_all() -> None:
+    """--consume-shm-files: checkpoint-engine deletes a rank's files as it pins them, and every
+    rank checks every file first. Rank 0 checks late here; rank 1 must wait for it (on 2x
+    H200 it did not, and rank 0 failed on a file rank 1 had already consumed)."""
+    import shutil
+
+    shm = Path("/dev/shm") / f"ckptctl-test-consume-{os.getpid()}"
+    shutil.copytree(TINY, shm)
+    try:
+        with FakeServer(Behaviour()) as s:
+            cmd = torchrun_cmd(
+                SCRIPT, "update", "--checkpoint-path", str(shm), "--consume-shm-files",
+                "--inference-parallel-size", "2", "--endpoint", s.endpoint, "--timeout", "60",
+                "--json",
+            )  # fmt: skip
+            r = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={**os.environ, "CPU_PS_SLOW_CHECK_RANK": "0"},
+            )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout)["split"] == "files"
+        assert sorted(os.listdir(shm)) == ["model.safetensors.index.json"]  # all consumed
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

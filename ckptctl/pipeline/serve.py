@@ -340,13 +340,13 @@ def gpu_executor(
         name = command.get("checkpoint_name") or f"push-{command['seq']}"
         if name == state.get("registered"):
             name = f"{name}-{command['seq']}"  # the one being served is still registered
-        from ckptctl.pipeline.update import check_consumable, check_consume
+        from ckptctl.pipeline.update import check_consumable_together, check_consume
 
         mode = "consume" if command.get("consume_shm_files") else opts.register_mode
         split = check_consume(command["checkpoint_path"], mode, opts.split)
         checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], split)
         if mode == "consume":
-            check_consumable(plan)  # before any file is consumed
+            check_consumable_together(job, plan)  # before any rank consumes a file
         pool = state.get("pool")  # serve --register-mode direct: buffers kept between pushes
         if pool is not None and mode == "direct" and state.get("registered") is not None:
             # Its buffers are refilled with this checkpoint: the server already holds it, and

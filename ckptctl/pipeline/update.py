@@ -50,6 +50,16 @@ def check_consume(checkpoint_path: str, register_mode: str, split: str) -> str:
     return "files"
 
 
+def check_consumable_together(job: Job, plan: Any) -> None:
+    """--consume-shm-files: every rank checks the whole plan, and only once all of them have
+    does any rank consume (pin and delete) a file. A rank that went ahead deleted files that
+    another rank was still checking (seen on 2x H200: rank 0 failed with FileNotFoundError)."""
+    check_consumable(plan)
+    if job.coordinator is not None:
+        # A little past the deadline: the watchdog, which names the stage, goes first.
+        job.coordinator.barrier("consume-checked", timeout_s=job.watchdog.remaining() + 5)
+
+
 def check_consumable(plan: Any) -> None:
     """Refuse, before any file is consumed, a checkpoint that checkpoint-engine's in-place
     pinning cannot serve. Every rank checks every rank's share, so all refuse together.
@@ -87,8 +97,12 @@ def check_consumable(plan: Any) -> None:
         in_file[t.file].append(t)
     for file, tensors in in_file.items():
         path = checkpoint.path_of(file)
-        with open(path, "rb") as fh:
-            at = 8 + int.from_bytes(fh.read(8), "little")  # where the data area starts
+        try:
+            with open(path, "rb") as fh:
+                at = 8 + int.from_bytes(fh.read(8), "little")  # where the data area starts
+            size = os.path.getsize(path)
+        except OSError as exc:
+            raise InvalidInput(f"{path}: cannot be read ({exc.strerror or exc})") from None
         for t in tensors:
             if t.start != at:
                 raise InvalidInput(
@@ -97,9 +111,9 @@ def check_consumable(plan: Any) -> None:
                     "--consume-shm-files"
                 )
             at = t.end
-        if at != os.path.getsize(path):
+        if at != size:
             raise InvalidInput(
-                f"{path}: {os.path.getsize(path) - at} bytes after the last tensor; "
+                f"{path}: {size - at} bytes after the last tensor; "
                 "checkpoint-engine's in-place pinning needs tightly packed files: drop "
                 "--consume-shm-files"
             )
@@ -150,7 +164,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
     def body(job: Job) -> dict[str, Any]:
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, split)
         if opts.register_mode == "consume":
-            check_consumable(plan)  # every rank, before any file is consumed
+            check_consumable_together(job, plan)  # before any rank consumes a file
         reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
         session = stages.start_parameter_server(job, p2p=p2p)
         stages.register_share(
