@@ -25,7 +25,6 @@ class CpuParameterServerSession:
 
     def __init__(self, *, p2p: str, io_timeout: Any, group_store: Any = None) -> None:
         self.p2p_enabled = False
-        self.group_build_seconds = None  # no process group here
         self.p2p_error = None
         self.registered: dict[str, dict[str, Any]] = {}
         self.buffers: dict[str, list[Any]] = {}
@@ -59,8 +58,8 @@ class CpuParameterServerSession:
         for f in files:
             os.remove(f)
 
-    def gather(self, name: str) -> None:
-        pass
+    def gather(self, name: str) -> float | None:
+        return None  # no process group to build here
 
     def metas(self) -> dict[int, Any]:
         return {}

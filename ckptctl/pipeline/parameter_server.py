@@ -210,6 +210,7 @@ class ParameterServerSession:
             store=group_store,
             device_index=local_device_index(rank),
         )
+        self._group_reported = False
         from checkpoint_engine.ps import ParameterServer
 
         self._io_timeout = io_timeout
@@ -280,9 +281,11 @@ class ParameterServerSession:
         if self.ps._p2p_store is not None:
             self.ps._register_parameters_to_p2p_store(name)
 
-    def gather(self, name: str) -> None:
-        self.ensure_group()
+    def gather(self, name: str) -> float | None:
+        """Gather the metas; returns how long the NCCL group took to build, the first time."""
+        built = self.ensure_group()
         self.ps.gather_metas(name)
+        return built
 
     def metas(self) -> dict[int, Any]:
         return self.ps.get_metas()
@@ -327,11 +330,7 @@ class ParameterServerSession:
     def _worker_errors(self) -> list[str]:
         return [e for s in self.sockets[self._first_socket :] for e in s.errors]
 
-    @property
-    def group_build_seconds(self) -> float | None:
-        return self._group.seconds
-
-    def ensure_group(self) -> None:
+    def ensure_group(self) -> float | None:
         """The NCCL process group (building since the session started), kept for every
         later gather and update.
 
@@ -339,8 +338,13 @@ class ParameterServerSession:
         destroying an NCCL communicator waits for its proxy thread's next 500 ms poll tick:
         half of the update stage's fixed second, measured (bench/pg_destroy_probe.py). Built
         by us instead, it lives until the process ends (see results.leave_group_to_exit).
+        Returns the seconds the build took on the first call, None on later ones.
         """
         self._group.wait(self._io_timeout())
+        if self._group_reported:
+            return None
+        self._group_reported = True
+        return self._group.seconds
 
     def _explain(self, exc: Exception | None) -> OperationFailed:
         """One line for what went wrong in checkpoint-engine's update, the worker's words first."""

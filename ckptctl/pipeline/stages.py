@@ -166,9 +166,9 @@ def _wait_until_listening(job: Job, assignment: GroupAssignment, engine: str) ->
 
 def gather_metas(job: Job, session: Any, name: str) -> None:
     with job.reporter.stage("gather_metas", "gathering metas from every rank") as st:
-        session.gather(name)
-        if session.group_build_seconds is not None:
-            st.detail = f"NCCL group built in {session.group_build_seconds:.2f}s, in the background"
+        built = session.gather(name)
+        if built is not None:  # the first gather of the job
+            st.detail = f"NCCL group built in {built:.2f}s, in the background"
 
 
 def save_metas(job: Job, session: Any, path: str, name: str) -> None:
