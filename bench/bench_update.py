@@ -159,7 +159,10 @@ def start_receiver(
     return proc, line.split()[1]
 
 
-def run_update(ckpt: Path, tp: int, endpoint: str, extra: list[str]) -> dict[str, Any]:
+def run_update(
+    ckpt: Path, tp: int, endpoint: str, extra: list[str], log: Path | None = None
+) -> dict[str, Any]:
+    """One `torchrun ... ckptctl update` (its stderr, the ranks' stage lines, kept in `log`)."""
     cmd = torchrun_cmd(
         "--no-python", "ckptctl", "update", "--checkpoint-path", str(ckpt),
         "--inference-parallel-size", str(tp), "--endpoint", endpoint, "--json", *extra,
@@ -168,6 +171,8 @@ def run_update(ckpt: Path, tp: int, endpoint: str, extra: list[str]) -> dict[str
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - t0
+    if log is not None:
+        log.write_text(r.stderr)
     if r.returncode != 0:
         raise SystemExit(f"ckptctl update failed ({r.returncode}):\n{r.stderr[-4000:]}")
     return {"torchrun_wall_s": wall, "summary": json.loads(r.stdout), "command": " ".join(cmd[2:])}
@@ -286,7 +291,9 @@ def main() -> None:
                 if i == 0 and limits["cold_read_gb_s"] is not None:
                     read_bandwidth(shards, cold=True)  # the first run starts from a cold cache
                 extra = [*args.extra.split(), "--register-mode", mode]
-                run = run_update(ckpt, args.tp, endpoint, extra)
+                log = Path(args.out) / f"update-{args.model}-tp{args.tp}-{mode}-run{i + 1}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                run = run_update(ckpt, args.tp, endpoint, extra, log)
                 run["register_mode"] = mode
                 run["cache"] = "cold" if i == 0 and limits["cold_read_gb_s"] is not None else "warm"
                 run["bit_exact"] = all_received(report(endpoint), n_tensors)
