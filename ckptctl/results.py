@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any, TextIO
 
@@ -84,10 +83,10 @@ def leave_group_to_exit(code: int) -> None:
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_available():
         return
-    # A group still being built (a rank failed before its first gather) is left the same way:
-    # an interpreter shutdown under a thread inside NCCL's set-up may hang or crash.
-    building = any(t.name == "ckptctl-group" and t.is_alive() for t in threading.enumerate())
-    if not torch.distributed.is_initialized() and not building:
+    # A group whose build started (still running, or failed halfway) is left the same way: an
+    # interpreter shutdown under NCCL's threads may hang or abort (process_group.py).
+    builder = sys.modules.get("ckptctl.pipeline.process_group")
+    if not torch.distributed.is_initialized() and not getattr(builder, "started", False):
         return
     sys.stdout.flush()
     sys.stderr.flush()

@@ -58,8 +58,11 @@ class CpuParameterServerSession:
         for f in files:
             os.remove(f)
 
-    def gather(self, name: str) -> float | None:
+    def ensure_group(self) -> float | None:
         return None  # no process group to build here
+
+    def gather(self, name: str) -> float | None:
+        return None
 
     def metas(self) -> dict[int, Any]:
         return {}

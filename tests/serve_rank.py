@@ -16,6 +16,8 @@ from ckptctl.progress import Reporter
 
 def execute(job: Job, command: dict) -> dict:
     _, plan, share = stages.plan_share(job, command["checkpoint_path"], "auto")
+    if command.get("checkpoint_name") == "boom" and job.launch.rank == 1:
+        raise RuntimeError("injected: not one of ckptctl's errors")  # as checkpoint-engine's
     assert job.coordinator is not None
     job.coordinator.barrier("pushed", timeout_s=30)  # stands in for the collective update
     return {"checkpoint_name": command.get("checkpoint_name"), "tensors": len(share.tensors)}

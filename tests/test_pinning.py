@@ -266,3 +266,28 @@ def test_a_failed_pin_unpins_what_was_pinned_and_says_so(
     with pytest.raises(OperationFailed, match="cannot pin"):
         reader.result()
     assert sorted(unpinned) == sorted(pinned) and len(pinned) == 2
+
+
+def test_the_reading_thread_pins_on_this_ranks_gpu(
+    monkeypatch: pytest.MonkeyPatch, ckpt: Path
+) -> None:
+    """The current CUDA device is per thread: the reading thread must select the rank's GPU
+    (checkpoint-engine's rule, rank modulo the visible GPUs) before it pins, or every rank
+    would pin through GPU 0's context. Recorded here with CUDA stood in."""
+    import threading
+
+    chosen: list[tuple[str, int]] = []
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda i: chosen.append((threading.current_thread().name, i))
+    )
+    pinned_in: list[str] = []
+    monkeypatch.setattr(
+        pinning, "pin_in_place", lambda b: pinned_in.append(threading.current_thread().name)
+    )
+    checkpoint = read_checkpoint(ckpt)
+    pinning.ShareReader(checkpoint, list(checkpoint.tensors), pin=True).result()
+    assert [index for _, index in chosen] == [1]  # rank 3 of 2 GPUs per node: GPU 1
+    assert chosen[0][0] == pinned_in[0] and pinned_in[0].startswith("ckptctl-read")

@@ -112,8 +112,74 @@ def test_a_failed_build_is_raised_on_the_waiting_thread() -> None:
         try:
             g.wait(30)
         except OperationFailed as exc:
-            print("failed:", exc)
+            print("failed:", exc, flush=True)
+            from ckptctl import results
+            # A build that failed may still have left NCCL's threads: leave without the
+            # interpreter's shutdown, as after a successful build.
+            results.leave_group_to_exit(7)
+        print("still here", flush=True)
     """)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 7, r.stderr
+    assert "still here" not in r.stdout
     assert r.stdout.startswith("failed: could not build the NCCL process group")
     assert time.perf_counter() - t0 < 30
+
+
+ONE_FAILS_FIRST = r"""
+import sys
+from ckptctl import results
+from ckptctl.errors import CkptctlError, InvalidInput, print_error
+from ckptctl.launch import launch_info
+from ckptctl.pipeline.job import run_job
+from ckptctl.pipeline.process_group import BackgroundProcessGroup
+from ckptctl.progress import Reporter
+
+launch = launch_info()
+
+def body(job):
+    if launch.rank == 0:
+        raise InvalidInput("rank 0 refuses before building the group")
+    # What ParameterServerSession does (stages.start_parameter_server passes the connection).
+    group = BackgroundProcessGroup(rank=launch.rank, world_size=launch.world_size,
+                                   store=job.coordinator.second_connection(), backend="gloo")
+    group.wait(120)
+
+try:
+    run_job(launch, Reporter(print, primary=launch.rank == 0), body, timeout=120)
+except CkptctlError as exc:
+    print_error(str(exc))
+    results.leave_group_to_exit(int(exc.exit_code))
+    sys.exit(int(exc.exit_code))
+"""
+
+
+def test_a_rank_that_fails_before_the_group_ends_the_ranks_that_wait_in_it(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 sits in the group's rendezvous when rank 0 fails: its watchdog must still hear
+    of the failure through the store (the rendezvous blocks a store client of its own, not
+    the watchdog's) and end it with rank 0's exit code, long before --timeout."""
+    script = tmp_path / "rank.py"
+    script.write_text(ONE_FAILS_FIRST)
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        torchrun_cmd(str(script), nproc=2), capture_output=True, text=True, timeout=150, cwd=REPO
+    )
+    seconds = time.perf_counter() - t0
+    assert r.returncode != 0
+    assert "[rank 1] error: rank 0 failed: rank 0 refuses" in r.stderr, r.stderr[-3000:]
+    assert "exitcode  : 3" in r.stderr or "exitcode: 3" in r.stderr, r.stderr[-3000:]
+    assert seconds < 60, f"rank 1 took {seconds:.0f}s to hear of rank 0's failure"
+
+
+def test_a_second_connection_sees_the_same_keys_for_a_job_of_one_process() -> None:
+    """serve with one process keeps a store of its own (Coordinator.local): the group's
+    connection to it must reach the same keys."""
+    from ckptctl.launch import launch_info
+    from ckptctl.pipeline.coordination import Coordinator
+
+    coordinator = Coordinator.local(launch_info())
+    other = coordinator.second_connection()
+    assert other is not coordinator.store
+    other.set("k", "from the second connection")
+    assert coordinator.store.get("k") == b"from the second connection"

@@ -57,6 +57,15 @@ def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
         assert bad.returncode == 3
         assert "missing" in bad.stderr
 
+        # A push that fails with a plain exception on one rank (checkpoint-engine raises
+        # those) fails like any other: exit 1, and the job goes on.
+        boom = run_script(
+            "push", "--control-socket", sock, "--checkpoint-path", str(TINY),
+            "--checkpoint-name", "boom", timeout=60,
+        )  # fmt: skip
+        assert boom.returncode == 1, boom.stderr
+        assert "RuntimeError: injected" in boom.stderr
+
         again = run_script(
             "push", "--control-socket", sock, "--checkpoint-path", str(TINY), timeout=60
         )
@@ -65,8 +74,8 @@ def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
         status = run_script("status", "--control-socket", sock, "--json", timeout=30)
         assert status.returncode == 0
         st = json.loads(status.stdout)
-        assert st["state"] == "idle" and st["commands"] == 3 and st["world_size"] == 2
-        assert st["last"]["ok"] and st["last"]["seq"] == 3
+        assert st["state"] == "idle" and st["commands"] == 4 and st["world_size"] == 2
+        assert st["last"]["ok"] and st["last"]["seq"] == 4
 
         with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
             assert client.post("http://serve/stop").json() == {"ok": True}

@@ -44,10 +44,31 @@ def _store_prefix() -> str:
 class Coordinator:
     """Cross-rank signals kept in a torch.distributed store."""
 
-    def __init__(self, store: Any, launch: LaunchInfo, *, scope: str = "") -> None:
+    def __init__(
+        self,
+        store: Any,
+        launch: LaunchInfo,
+        *,
+        scope: str = "",
+        address: tuple[str, int, str] | None = None,
+    ) -> None:
         self.store = store
         self.launch = launch
         self.scope = scope  # set for a scoped view: its waits also end on its own abort key
+        self._address = address  # (host, port, key prefix) of the store, to connect again
+
+    def second_connection(self) -> Any:
+        """The same store through a client of its own, for a thread that blocks in it (the
+        NCCL group's rendezvous). A client serves its calls one at a time: on the shared one,
+        the watchdog's abort checks and heartbeats would wait behind that block, and a rank
+        whose peer failed before the rendezvous would never hear of it."""
+        if self._address is None:
+            return self.store
+        from torch.distributed import PrefixStore, TCPStore
+
+        host, port, prefix = self._address
+        client = TCPStore(host, port, None, False, timeout=timedelta(minutes=10))
+        return PrefixStore(prefix, client) if prefix else client
 
     def scoped(self, name: str) -> Coordinator:
         """A view whose keys live under `name/` (one per push of a long-lived job), so that
@@ -66,7 +87,8 @@ class Coordinator:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        return cls(TCPStore("127.0.0.1", port, 1, True, wait_for_workers=False), launch)
+        store = TCPStore("127.0.0.1", port, 1, True, wait_for_workers=False)
+        return cls(store, launch, address=("127.0.0.1", port, ""))
 
     @classmethod
     def connect(cls, launch: LaunchInfo, timeout_s: float) -> Coordinator | None:
@@ -87,7 +109,9 @@ class Coordinator:
             timeout=timedelta(seconds=max(timeout_s, 1.0)),
             wait_for_workers=False,
         )
-        return cls(PrefixStore(_store_prefix(), store), launch)
+        return cls(
+            PrefixStore(_store_prefix(), store), launch, address=(host, port, _store_prefix())
+        )
 
     # -- abort -----------------------------------------------------------------------------------
     def publish_abort(self, code: int, message: str) -> None:

@@ -165,7 +165,7 @@ class PinnedPool:
 
     def take(self, size: int) -> tuple[torch.Tensor, bool]:
         """(buffer of `size` bytes, whether it is pinned already). The smallest free one that
-        fits, else a new unpinned one that `ShareReader.result` pins."""
+        fits, else a new unpinned one that the ShareReader's thread pins."""
         import torch
 
         fits = [b for b in self._free if b.numel() >= size]
@@ -271,6 +271,7 @@ class ShareReader:
                 for bucket, buffer in zip(self.buckets, self._buffers, strict=True)
             ]
         except BaseException:
+            self._reading.shutdown(wait=True)  # first: the thread may still be pinning
             self._abandon()
             raise
         finally:

@@ -24,6 +24,11 @@ from ckptctl.errors import DeadlineExceeded, OperationFailed
 
 STORE_PREFIX = "process-group/"
 
+# Set once a build has started in this process, whatever became of it: NCCL's threads may be
+# running even after a failed build, and results.leave_group_to_exit then skips the interpreter
+# shutdown (which can hang or abort under them).
+started = False
+
 
 def local_device_index(rank: int) -> int:
     """The GPU this rank drives: checkpoint-engine's rule (rank modulo the visible GPUs)."""
@@ -53,7 +58,8 @@ class BackgroundProcessGroup:
         self._device_index = device_index
         self._error: BaseException | None = None
         self.seconds: float | None = None
-        # results.leave_group_to_exit looks for this thread's name.
+        global started
+        started = True
         self._thread = threading.Thread(target=self._build, name="ckptctl-group", daemon=True)
         self._thread.start()
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from ckptctl.errors import CkptctlError, ExitCode, UsageError
+from ckptctl.errors import CkptctlError, ExitCode, OperationFailed, UsageError
 from ckptctl.pipeline.coordination import Coordinator
 from ckptctl.pipeline.job import Job
 from ckptctl.progress import StageLog
@@ -239,9 +239,16 @@ def serve_loop(
             )
             try:
                 result = {"ok": True, "exit_code": 0, "error": None, **execute(push_job, command)}
-            except CkptctlError as exc:
-                push_job.coordinator.publish_abort(exc.exit_code, str(exc))  # type: ignore[union-attr]
-                result = {"ok": False, "exit_code": int(exc.exit_code), "error": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - one failed push must not end the job
+                # checkpoint-engine raises plain exceptions too (an assert, a pin failure); the
+                # push fails with them like with ours, and every rank gives up on it.
+                err = (
+                    exc
+                    if isinstance(exc, CkptctlError)
+                    else OperationFailed(f"{type(exc).__name__}: {exc}")
+                )
+                push_job.coordinator.publish_abort(err.exit_code, str(err))  # type: ignore[union-attr]
+                result = {"ok": False, "exit_code": int(err.exit_code), "error": str(err)}
             job.watchdog.deadline = float("inf")
             result["rank"] = job.launch.rank
             queue.report(seq, result)
@@ -325,7 +332,7 @@ class PushFailure:
     def raise_if_failed(self) -> None:
         if self.code is None:
             return
-        from ckptctl.errors import DeadlineExceeded, OperationFailed
+        from ckptctl.errors import DeadlineExceeded
 
         raise (DeadlineExceeded if self.code == ExitCode.TIMEOUT else OperationFailed)(self.message)
 
@@ -399,6 +406,8 @@ def gpu_executor(
         previous, state["registered"] = state.get("registered"), name
         if previous is not None:
             session.unregister(previous, pool)
+        if pool is not None and mode == "consume":
+            pool.trim()  # the consumed files hold this push: unpin what the pool kept idle
         if pool is not None:
             state["pinned_pool_bytes"] = pool.pinned_bytes  # (read by GET /status)
         return {
@@ -425,6 +434,9 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
             job.coordinator = Coordinator.local(job.launch)
             job.watchdog.coordinator = job.coordinator
         session = stages.start_parameter_server(job, p2p="off")
+        # The NCCL group now, not at the first push: a job that cannot build it fails at
+        # start-up instead of failing every push.
+        stages.build_group(job, session)
         if opts.register_mode == "direct":
             from ckptctl.pipeline.pinning import PinnedPool
 

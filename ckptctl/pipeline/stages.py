@@ -84,7 +84,9 @@ def start_parameter_server(job: Job, *, p2p: str) -> Any:
         return ParameterServerSession(
             p2p=p2p,
             io_timeout=job.watchdog.remaining,
-            group_store=job.coordinator.store if job.coordinator is not None else None,
+            group_store=(
+                job.coordinator.second_connection() if job.coordinator is not None else None
+            ),
         )
 
 
@@ -162,6 +164,14 @@ def _wait_until_listening(job: Job, assignment: GroupAssignment, engine: str) ->
             f"({result.attempts} attempts, last: {result.last_status})"
         )
     return f"{address.describe()}: {result.last_status}"
+
+
+def build_group(job: Job, session: Any) -> None:
+    """Wait for the NCCL group that has been building since the session started."""
+    with job.reporter.stage("group", "building the NCCL process group") as st:
+        built = session.ensure_group()
+        if built is not None:
+            st.detail = f"built in {built:.2f}s, in the background"
 
 
 def gather_metas(job: Job, session: Any, name: str) -> None:
