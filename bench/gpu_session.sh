@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What a GPU session checks, in device calls of under 10 minutes each (2x H200):
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh tests-a "$OUT"  # update paths + metas, ~4 min
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh tests-b "$OUT"  # failures, serve, receiver, ~5 min
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench "$OUT"    # update A/B + serve pushes, ~5 min
+#     . tests/gpu_kit.sh && bash bench/gpu_session.sh tests-a "$OUT"  # update paths + metas, ~5.5 min
+#     . tests/gpu_kit.sh && bash bench/gpu_session.sh tests-b "$OUT"  # failures, serve, receiver, ~5.5 min
+#     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench "$OUT"    # update A/B + seed + serve pushes, ~5.5 min
 # The whole suite no longer fits one call (it ran past 570 s on 2026-11-29), hence a and b.
 # bench: the update benchmark (Qwen3-8B shapes, TP2, checkpoint-engine's registration and ours
 #        side by side, the machine's limits measured in the same run), then 10 serve pushes
