@@ -33,6 +33,9 @@ from ckptctl.errors import DeadlineExceeded, ExitCode, OperationFailed, print_er
 from ckptctl.launch import LaunchInfo
 
 HEARTBEAT_INTERVAL_S = 1.0
+# How far past the job's deadline our own bounded waits (store barriers, zmq) may run: the
+# watchdog, which ends the job with exit 4 and names the stage that ran out, must go first.
+PAST_DEADLINE_S = 5.0
 
 
 def _store_prefix() -> str:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from ckptctl.errors import CkptctlError, ExitCode, OperationFailed
 from ckptctl.launch import LaunchInfo, launch_info
-from ckptctl.pipeline.coordination import Coordinator, Watchdog
+from ckptctl.pipeline.coordination import PAST_DEADLINE_S, Coordinator, Watchdog
 from ckptctl.progress import Reporter
 
 T = TypeVar("T")
@@ -43,6 +43,11 @@ class Job:
             "peak_rss_bytes": peak_rss_bytes(),
             "stages": self.reporter.figures.as_json(),
         }
+
+    def barrier(self, name: str) -> None:
+        """Every rank reaches `name` (nothing to wait for in a job of one process)."""
+        if self.coordinator is not None:
+            self.coordinator.barrier(name, timeout_s=self.watchdog.remaining() + PAST_DEADLINE_S)
 
     def gather_figures(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's figures on rank 0 (through the store); just ours elsewhere."""

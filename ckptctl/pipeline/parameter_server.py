@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptctl.errors import InvalidInput, OperationFailed, print_error
+from ckptctl.pipeline.coordination import PAST_DEADLINE_S
 
 
 def block_mooncake() -> None:
@@ -141,7 +142,6 @@ def release_ipc_reference(handle: Any) -> bool:
 
 
 RESCUE_PREFIX = "ckptctl: the push failed"
-IO_GRACE_S = 5.0  # how long a zmq send/receive may outlast the job's deadline
 
 
 def rescue(endpoint: str, message: str, timeout_s: float = 30.0) -> threading.Thread:
@@ -243,9 +243,8 @@ class ParameterServerSession:
 
         def bind_watched() -> tuple[Any, list[tuple[str, str]]]:
             socket, paths = bind()
-            # A little past the job's deadline: the watchdog, which ends the job with exit 4
-            # and names the stage that ran out, must go first (they raced: seen on 2x H200).
-            timeout_ms = max(int((self._io_timeout() + IO_GRACE_S) * 1000), 1)
+            # Past the deadline (they raced on 2x H200: exit 1 instead of the watchdog's 4).
+            timeout_ms = max(int((self._io_timeout() + PAST_DEADLINE_S) * 1000), 1)
             watched = ReplyWatchingSocket(socket, timeout_ms)
             self.sockets.append(watched)
             return watched, paths

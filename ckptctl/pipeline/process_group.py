@@ -66,7 +66,7 @@ class BackgroundProcessGroup:
     def _build(self) -> None:
         import time
 
-        started = time.perf_counter()
+        t0 = time.perf_counter()
         try:
             import torch
             import torch.distributed as torch_dist
@@ -97,7 +97,7 @@ class BackgroundProcessGroup:
         except BaseException as exc:  # noqa: BLE001 - kept for `wait`, raised on the main thread
             self._error = exc
         finally:
-            self.seconds = time.perf_counter() - started
+            self.seconds = time.perf_counter() - t0
 
     def wait(self, timeout_s: float) -> None:
         """Block until the group is up; raise what building it raised."""

@@ -143,9 +143,7 @@ def wait_for_server(job: Job, assignment: GroupAssignment, engine: str) -> None:
     with job.reporter.stage("wait_server", "waiting for the inference server") as st:
         if assignment.is_leader:
             st.detail = _wait_until_listening(job, assignment, engine)
-        if job.coordinator is not None:
-            # A little past the deadline: the watchdog, which says which stage ran out, goes first.
-            job.coordinator.barrier("servers-up", timeout_s=job.watchdog.remaining() + 5)
+        job.barrier("servers-up")
 
 
 def _wait_until_listening(job: Job, assignment: GroupAssignment, engine: str) -> str:

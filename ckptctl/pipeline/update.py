@@ -55,9 +55,7 @@ def check_consumable_together(job: Job, plan: Any) -> None:
     does any rank consume (pin and delete) a file. A rank that went ahead deleted files that
     another rank was still checking (seen on 2x H200: rank 0 failed with FileNotFoundError)."""
     check_consumable(plan)
-    if job.coordinator is not None:
-        # A little past the deadline: the watchdog, which names the stage, goes first.
-        job.coordinator.barrier("consume-checked", timeout_s=job.watchdog.remaining() + 5)
+    job.barrier("consume-checked")
 
 
 def check_consumable(plan: Any) -> None:
