@@ -61,8 +61,8 @@ class CpuParameterServerSession:
     def ensure_group(self) -> float | None:
         return None  # no process group to build here
 
-    def gather(self, name: str) -> float | None:
-        return None
+    def gather(self, name: str) -> None:
+        pass
 
     def metas(self) -> dict[int, Any]:
         return {}

@@ -48,6 +48,7 @@ def run_save_metas(
         stages.register_share(
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
         )
+        stages.build_group(job, session)
         stages.gather_metas(job, session, opts.checkpoint_name)
         stages.save_metas(job, session, opts.metas_file, opts.checkpoint_name)
         ranks = job.gather_figures(job.figures())
@@ -110,6 +111,7 @@ def run_join(opts: JoinOptions, reporter: Reporter, *, debug: bool = False) -> d
     def body(job: Job) -> dict[str, Any]:
         session = stages.start_parameter_server(job, p2p="required")
         stages.wait_for_server(job, assignment, servers.engine)
+        stages.build_group(job, session)
         stages.gather_metas(job, session, opts.checkpoint_name)  # our own pool is empty
         session.load_metas(metas_file.metas)
         request = stages.ServerRequest(

@@ -210,7 +210,6 @@ class ParameterServerSession:
             store=group_store,
             device_index=local_device_index(rank),
         )
-        self._group_reported = False
         from checkpoint_engine.ps import ParameterServer
 
         self._io_timeout = io_timeout
@@ -280,11 +279,9 @@ class ParameterServerSession:
         if self.ps._p2p_store is not None:
             self.ps._register_parameters_to_p2p_store(name)
 
-    def gather(self, name: str) -> float | None:
-        """Gather the metas; returns how long the NCCL group took to build, the first time."""
-        built = self.ensure_group()
+    def gather(self, name: str) -> None:
+        self.ensure_group()
         self.ps.gather_metas(name)
-        return built
 
     def metas(self) -> dict[int, Any]:
         return self.ps.get_metas()
@@ -337,12 +334,9 @@ class ParameterServerSession:
         destroying an NCCL communicator waits for its proxy thread's next 500 ms poll tick:
         half of the update stage's fixed second, measured (bench/pg_destroy_probe.py). Built
         by us instead, it lives until the process ends (see results.leave_group_to_exit).
-        Returns the seconds the build took on the first call, None on later ones.
+        Returns the seconds the build took.
         """
         self._group.wait(self._io_timeout())
-        if self._group_reported:
-            return None
-        self._group_reported = True
         return self._group.seconds
 
     def _explain(self, exc: Exception | None) -> OperationFailed:

@@ -1,7 +1,7 @@
 """The stages the GPU commands are built from, each timed and shown by the job's reporter.
 
-plan_share → start_parameter_server → register_share → wait_for_server → gather_metas
-→ push (update) → verify_weight_version → serve (save-metas, --sleep-time)
+plan_share → start_parameter_server → register_share → wait_for_server → build_group
+→ gather_metas → push (update) → verify_weight_version → serve (save-metas, --sleep-time)
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ def _wait_until_listening(job: Job, assignment: GroupAssignment, engine: str) ->
 
 
 def build_group(job: Job, session: Any) -> None:
-    """Wait for the NCCL group that has been building since the session started."""
+    """Wait for the NCCL group that has been building since the session started (its own
+    stage, so that gather_metas shows the gather alone)."""
     with job.reporter.stage("group", "building the NCCL process group") as st:
         built = session.ensure_group()
         if built is not None:
@@ -173,10 +174,8 @@ def build_group(job: Job, session: Any) -> None:
 
 
 def gather_metas(job: Job, session: Any, name: str) -> None:
-    with job.reporter.stage("gather_metas", "gathering metas from every rank") as st:
-        built = session.gather(name)
-        if built is not None:  # the first gather of the job
-            st.detail = f"NCCL group built in {built:.2f}s, in the background"
+    with job.reporter.stage("gather_metas", "gathering metas from every rank"):
+        session.gather(name)
 
 
 def save_metas(job: Job, session: Any, path: str, name: str) -> None:

@@ -169,6 +169,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
         )
         stages.wait_for_server(job, assignment, servers.engine)
+        stages.build_group(job, session)
         stages.gather_metas(job, session, opts.checkpoint_name)
         if opts.save_metas_file:
             stages.save_metas(job, session, opts.save_metas_file, opts.checkpoint_name)
