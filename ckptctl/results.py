@@ -40,8 +40,15 @@ def write(doc: dict[str, Any]) -> None:
 
 
 def write_failure(code: int, message: str) -> None:
-    """The failure document, unless a result already went out."""
-    write({"ok": False, "exit_code": int(code), "error": message})
+    """The failure document, unless a result already went out. An update that broke off
+    after the server's workers connected says so in its message, wherever it failed (this
+    rank, another rank through the job's store): then the document says it too."""
+    from ckptctl.errors import PARTIAL_WEIGHTS_NOTE
+
+    doc: dict[str, Any] = {"ok": False, "exit_code": int(code), "error": message}
+    if PARTIAL_WEIGHTS_NOTE in message:
+        doc["server_weights"] = "partial"
+    write(doc)
 
 
 @contextlib.contextmanager

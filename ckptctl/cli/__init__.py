@@ -57,6 +57,7 @@ app.command("inspect-metas", epilog=EXIT_CODES_HELP)(handle_errors(metas.inspect
 app.command("serve", epilog=EXIT_CODES_HELP)(handle_errors(serve.serve_command))
 app.command("push", epilog=EXIT_CODES_HELP)(handle_errors(serve.push_command))
 app.command("status", epilog=EXIT_CODES_HELP)(handle_errors(serve.status_command))
+app.command("stop", epilog=EXIT_CODES_HELP)(handle_errors(serve.stop_command))
 
 
 def main() -> None:
