@@ -269,3 +269,48 @@ def test_malformed_requests_get_an_answer_and_the_job_serves_on(short_tmp: Path)
             job.kill()
     assert job.returncode == 0, err
     assert "Traceback" not in err and "MemoryError" not in err
+
+
+def test_on_two_nodes_the_second_nodes_socket_takes_status_and_stop_only(
+    short_tmp: Path,
+) -> None:
+    """Two torchrun 'nodes' on loopback, one rank each: each node's local rank 0 hosts a
+    socket. Pushes go through global rank 0's node; the other node's socket refuses them,
+    answers status with its own view (every rank keeps the results), and takes a stop."""
+    import socket as socketlib
+
+    from fake_server import free_master_port
+
+    port = free_master_port()
+    socks = [str(short_tmp / "node0.sock"), str(short_tmp / "node1.sock")]
+    nodes = [
+        subprocess.Popen(
+            torchrun_cmd(SCRIPT, socks[n], nproc=1, nnodes=2, node_rank=n, port=port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    try:
+        assert all(wait_for_path(s) for s in socks)
+        refused = run_script("push", "--control-socket", socks[1], "--checkpoint-path", str(TINY))
+        assert refused.returncode == 2, refused.stderr
+        assert f"push on {socketlib.gethostname()}" in refused.stderr
+        good = run_script(
+            "push", "--control-socket", socks[0], "--checkpoint-path", str(TINY),
+            "--checkpoint-name", "both", timeout=60,
+        )  # fmt: skip
+        assert good.returncode == 0, good.stderr
+        st = run_script("status", "--control-socket", socks[1], "--json", timeout=30)
+        doc = json.loads(st.stdout)
+        assert doc["rank"] == 1 and doc["takes_push"] is False
+        assert doc["commands"] == 1 and doc["last"]["checkpoint_name"] == "both"
+        assert run_script("stop", "--control-socket", socks[1]).returncode == 0
+        outs = [n.communicate(timeout=60) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    assert "rank 0: stopped by a client (ckptctl stop) (on rank 1)" in outs[0][0]

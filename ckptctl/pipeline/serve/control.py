@@ -7,7 +7,7 @@ What it trusts: a process of the job owner's uid, and nothing else. Four checks 
   not a symlink, owned by the user, mode 0700) and refused otherwise, never "fixed";
 - the socket itself is 0600, whatever the umask;
 - the server reads every connection's peer credentials (SO_PEERCRED) and answers another uid
-  403 without reading a byte of its request;
+  403 without parsing a byte of its request;
 - a client checks, before connecting, that the path is a socket owned by the user and, once
   connected, that the process listening runs as the user (SO_PEERCRED again).
 
@@ -171,6 +171,20 @@ def _answer(conn: socket.socket, status: int, doc: dict[str, Any]) -> None:
     conn.sendall(head.encode() + body)
 
 
+def _discard_rest(conn: socket.socket) -> None:
+    """After an early answer: closing with the client's bytes unread would reset the
+    connection before the answer arrives. Let it finish sending (1 s, 1 MiB at most) and
+    throw that away, unparsed."""
+    conn.shutdown(socket.SHUT_WR)
+    deadline, left = time.monotonic() + 1.0, 1 << 20
+    while left > 0 and time.monotonic() < deadline:
+        conn.settimeout(max(deadline - time.monotonic(), 0.01))
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        left -= len(chunk)
+
+
 def _recv(conn: socket.socket, deadline: float, what: str) -> bytes:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -250,6 +264,7 @@ class ControlServer:
         self.handlers = handlers
         self.request_deadline_s = request_deadline_s
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._refusals = threading.BoundedSemaphore(8)
         self._closed = threading.Event()
         self._sock = _bind_private(path)
         st = os.lstat(path)
@@ -291,14 +306,7 @@ class ControlServer:
                 conn.close()
                 continue
             if uid != os.getuid():
-                # Not a byte of theirs is read: the answer says why, and the connection ends.
-                with contextlib.suppress(OSError):
-                    _answer(
-                        conn,
-                        403,
-                        {"error": f"this serve job takes commands from uid {os.getuid()} only"},
-                    )
-                conn.close()
+                self._refuse(conn, uid)
                 continue
             if not self._slots.acquire(blocking=False):
                 with contextlib.suppress(OSError):
@@ -310,6 +318,31 @@ class ControlServer:
             threading.Thread(
                 target=self._serve, args=(conn,), name="ckptctl-control-conn", daemon=True
             ).start()
+
+    def _refuse(self, conn: socket.socket, uid: int) -> None:
+        """Another uid: answered 403 in a thread of its own, its request never parsed."""
+        if not self._refusals.acquire(blocking=False):
+            conn.close()
+            return
+
+        def run() -> None:
+            try:
+                _answer(
+                    conn,
+                    403,
+                    {
+                        "ok": False,
+                        "error": f"this serve job takes commands from uid {os.getuid()} only, not {uid}",
+                    },
+                )
+                _discard_rest(conn)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+                self._refusals.release()
+
+        threading.Thread(target=run, name="ckptctl-control-refuse", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -326,6 +359,7 @@ class ControlServer:
                     raise HttpError(405, f"{method[:10]} is not allowed on {path}")
             except HttpError as exc:
                 _answer(conn, exc.status, {"ok": False, "error": str(exc)})
+                _discard_rest(conn)
                 return
             try:
                 status, answer = handler(doc)
