@@ -205,7 +205,7 @@ def status_command(
     path = _find(control_socket, endpoint, uds, wait)
     doc = _call(path, "GET", "/status", None, 10.0)
     if json_output:
-        out.result({**doc, "control_socket": path})
+        out.result({**doc, "exit_code": 0, "error": None, "control_socket": path})
         return
     out.show("\n".join(describe_status(doc, path)))
 

@@ -125,6 +125,11 @@ def private_socket_dir(tmp_root: str = "/tmp") -> Path:
         os.chmod(path, 0o700)  # mkdir's mode passes through the umask
     except FileExistsError:
         pass
+    except OSError as exc:
+        raise UsageError(
+            f"cannot create {path} for the control socket ({exc.strerror or exc}): set "
+            "XDG_RUNTIME_DIR, or pass --control-socket"
+        ) from None
     check_private_dir(path)
     return path
 
