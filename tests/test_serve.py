@@ -221,11 +221,11 @@ def test_push_and_status_wait_for_a_job_that_is_still_starting(short_tmp: Path) 
         assert "serve job:" in status.stdout
         assert run_script("stop", "--control-socket", sock, "--wait", "60").returncode == 0
         assert not os.path.exists(sock)
-        job.communicate(timeout=60)
+        _, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
             job.kill()
-    assert job.returncode == 0
+    assert job.returncode == 0, err[-3000:]
 
 
 def _script(*args: str) -> list[str]:

@@ -101,6 +101,12 @@ class CommandChannel:
         self._all_gather(outs, padded, TICK_TIMEOUT_S)
         return [json.loads(_as_bytes(t[:n])) for t, n in zip(outs, sizes, strict=True)]
 
+    def close(self) -> None:
+        """Destroy the group now, while the interpreter runs: left to the interpreter's exit,
+        gloo's threads sometimes abort the process ("terminate called without an active
+        exception", exit -6) once a peer has gone."""
+        self._pg = None
+
     # -- gloo, bounded -----------------------------------------------------------------------------
     def _all_reduce(self, tensor: Any, timeout_s: float) -> None:
         from torch.distributed import AllreduceOptions, ReduceOp

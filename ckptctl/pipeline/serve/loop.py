@@ -373,20 +373,25 @@ def serve_loop(
     assert job.coordinator is not None
     launch = job.launch
     channel = CommandChannel(job.coordinator.second_connection(), launch.rank, launch.world_size)
-    loop = ServeLoop(
-        job, execute, channel, push_timeout=push_timeout, state=state or {}, targets=targets or []
-    )
-    # Every rank is in the group: learn where each one runs (status names rank 0's host).
-    loop.state.hosts = [
-        d["host"] for d in channel.gather({"host": socket.gethostname()}, TICK_TIMEOUT_S)
-    ]
     server = None
-    if launch.local_rank == 0:
-        path = control_socket or default_socket_path(targets or [])
-        server = ControlServer(path, loop.handlers()).start()
-        job.reporter.log(f"serving: control socket {path}")
     try:
+        loop = ServeLoop(
+            job,
+            execute,
+            channel,
+            push_timeout=push_timeout,
+            state=state if state is not None else {},
+            targets=targets or [],
+        )
+        # Every rank is in the group: learn where each one runs (status names rank 0's host).
+        hosts = channel.gather({"host": socket.gethostname()}, TICK_TIMEOUT_S)
+        loop.state.hosts = [d["host"] for d in hosts]
+        if launch.local_rank == 0:
+            path = control_socket or default_socket_path(targets or [])
+            server = ControlServer(path, loop.handlers()).start()
+            job.reporter.log(f"serving: control socket {path}")
         return loop.run()
     finally:
         if server is not None:
             server.close()
+        channel.close()
