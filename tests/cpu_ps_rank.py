@@ -147,7 +147,7 @@ if __name__ == "__main__":
     # No CUDA to pin host memory with: direct registration's buffers stay pageable.
     pinning_module.pin_in_place = lambda buffer: None  # type: ignore[assignment]
     pinning_module.unpin = lambda buffer: None  # type: ignore[assignment]
-    if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ["RANK"]:
+    if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ.get("RANK", "0"):
         # This rank checks a --consume-shm-files plan late (a slower node, a busy CPU).
         import time
 
