@@ -35,9 +35,17 @@ ControlSocketOpt = Annotated[
     str | None,
     typer.Option(
         "--control-socket",
-        help="Unix socket of the serve job's control endpoint on this node. Default: "
-        "serve-DIGEST.sock named after the job's servers, in $XDG_RUNTIME_DIR/ckptctl/ or "
-        "else /tmp/ckptctl-UID/ (directories only you can enter).",
+        help="Unix socket of this node's control endpoint. Default: serve-DIGEST.sock, "
+        "named after the servers, in $XDG_RUNTIME_DIR/ckptctl/ or /tmp/ckptctl-UID/.",
+        show_default=False,
+    ),
+]
+JobSocketOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--control-socket",
+        help="The serve job's control socket. Default: that of the job feeding --endpoint, "
+        "or your only serve job on this node.",
         show_default=False,
     ),
 ]
@@ -152,7 +160,7 @@ def push_command(
     checkpoint_name: Annotated[
         str | None, typer.Option("--checkpoint-name", help="Name to register it under.")
     ] = None,
-    control_socket: ControlSocketOpt = None,
+    control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
     consume_shm_files: ConsumeShmOpt = False,
@@ -193,7 +201,7 @@ def push_command(
 
 
 def status_command(
-    control_socket: ControlSocketOpt = None,
+    control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
     wait: WaitOpt = 0.0,
@@ -211,7 +219,7 @@ def status_command(
 
 
 def stop_command(
-    control_socket: ControlSocketOpt = None,
+    control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
     wait: Annotated[
