@@ -117,7 +117,14 @@ def test_checkpoint_path_with_brackets(tmp_path: Path) -> None:
     odd.mkdir(parents=True)
     save_file({"w[0]": torch.ones(3), "b[/bold]": torch.zeros(2)}, str(odd / "model.safetensors"))
     code, out, err = _run_on_pty(
-        "update", "--dry-run", "--checkpoint-path", str(odd), "--world-size", "2"
+        "update",
+        "--dry-run",
+        "--checkpoint-path",
+        str(odd),
+        "--world-size",
+        "2",
+        "--inference-parallel-size",
+        "2",
     )
     assert code == 0, err
     assert "runs[/x]" in out

@@ -63,7 +63,7 @@ def run_save_metas(
             "split": plan.split,
             "world_size": launch.world_size,
             "total_bytes": checkpoint.total_bytes,
-            "tensors": len(checkpoint.tensors),
+            "tensor_count": len(checkpoint.tensors),
             "joinable": session.p2p_enabled,
             "why_not_joinable": None if session.p2p_enabled else (missing or session.p2p_error),
             "served": ended,

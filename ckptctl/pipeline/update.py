@@ -214,7 +214,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             "world_size": launch.world_size,
             "inference_parallel_size": servers.parallel_size,
             "total_bytes": checkpoint.total_bytes,
-            "tensors": len(checkpoint.tensors),
+            "tensor_count": len(checkpoint.tensors),
             "weight_version": servers.weight_version,
             "metas_file": opts.save_metas_file,
             "wall_s": round(wall, 4),
