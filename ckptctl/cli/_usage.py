@@ -41,7 +41,9 @@ def describe(message: str, args: Sequence[str]) -> str:
             if m:
                 choices = ", ".join(re.findall(r"'([^']*)'", m.group(1))) if m.groups() else ""
                 return wording.format(*m.groups(), flag=flag, value=shown, choices=choices)
-        return f"{flag}: {problem.removeprefix('Value error, ').rstrip('.')}"
+        problem = problem.removeprefix("Value error, ").rstrip(".")
+        # Our own callbacks (_options.at_least) say "must be ...", to follow the flag's name.
+        return f"{flag} {problem}" if problem.startswith("must ") else f"{flag}: {problem}"
     unknown = re.match(r"No such option: (\S+)(?: \(Possible options: (.*)\))?", message)
     if unknown:
         flag = unknown.group(1)

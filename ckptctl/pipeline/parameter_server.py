@@ -235,9 +235,11 @@ class ParameterServerSession:
         import torch
 
         if not torch.cuda.is_available():
+            # (Every GPU command comes here - update, save-metas, join, serve: only `update`
+            # has a --dry-run, so the hint names the command.)
             raise OperationFailed(
-                "no CUDA device: update needs one GPU per rank "
-                "(use --dry-run to plan a split without a GPU)"
+                "no CUDA device: every rank needs one GPU (check CUDA_VISIBLE_DEVICES); "
+                "`ckptctl update --dry-run` plans a split without one"
             )
         from ckptctl.pipeline.process_group import BackgroundProcessGroup, local_device_index
 
