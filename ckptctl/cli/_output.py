@@ -60,7 +60,9 @@ class Output:
         else:
             results.keep(doc)
 
-    def show(self, renderable: Any) -> None:
-        """Human-readable results (tables, summaries) on stdout, from rank 0, not with --json."""
+    def show(self, renderable: Any, *, wrap: bool = False) -> None:
+        """Human-readable results (tables, summaries) on stdout, from rank 0, not with --json.
+        wrap: text wraps at the console's width (80 when stdout is not a terminal); by
+        default a long line (a path) stays whole, for whoever greps the output."""
         if self.is_primary and not self.json_mode:
-            self.out.print(renderable)
+            self.out.print(renderable, soft_wrap=not wrap)

@@ -12,14 +12,7 @@ from rich.text import Text
 from ckptctl.checkpoint.plan import Plan
 from ckptctl.cli._output import Output
 from ckptctl.pipeline.groups import GroupPlan
-
-
-def format_bytes(n: float) -> str:
-    """Decimal units, as disk and network figures are quoted (16.38 GB)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+from ckptctl.progress import format_bytes
 
 
 def deviation(plan: Plan, nbytes: int) -> float:

@@ -9,8 +9,8 @@ import typer
 
 from ckptctl.cli._options import CHECKPOINT, AllowPickleOpt, HelpOpt, JsonOpt, QuietOpt
 from ckptctl.cli._output import Output
-from ckptctl.cli._plan_view import format_bytes
 from ckptctl.errors import OperationFailed
+from ckptctl.progress import format_bytes
 
 if TYPE_CHECKING:
     from ckptctl.metas import CheckpointTensor, Difference, MetasSummary
