@@ -3,6 +3,7 @@ is, the dry run with the reason where none is."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,22 @@ sys.path.insert(0, str(DEMO.parent))
 
 import demo  # noqa: E402 - examples/ is not a package
 
+TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """As `make demo` runs it: a plain process, not a torchrun rank (in-process tests of a
+    GPU command leave RANK and WORLD_SIZE behind in this one)."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     return subprocess.run(
-        [sys.executable, str(DEMO), *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(DEMO), *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
