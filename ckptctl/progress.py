@@ -264,16 +264,17 @@ class RichReporter(Reporter):
     def __init__(self, console: Any, *, quiet: bool = False) -> None:
         super().__init__(console.print, primary=True, quiet=quiet)
         self.console = console
+        # The figures keep their width (each column pads its own); the description takes what
+        # is left of the line and is cut (…) on a narrow terminal. (Rich would rather wrap
+        # the figures.)
+        self._description = Column(no_wrap=True, overflow="ellipsis")
         self.progress = Progress(
             SpinnerColumn(),
-            TextColumn(
-                "{task.description}",
-                table_column=Column(ratio=1, min_width=16, no_wrap=True, overflow="ellipsis"),
-            ),
+            TextColumn("{task.description}", table_column=self._description),
             _BarColumn(),
-            _BytesColumn(),
-            _RateColumn(),
-            _TimeColumn(),
+            _BytesColumn(table_column=Column(no_wrap=True)),
+            _RateColumn(table_column=Column(no_wrap=True)),
+            _TimeColumn(table_column=Column(no_wrap=True)),
             console=console,
             transient=True,  # finished stages are printed as lines; the live rows then go
             refresh_per_second=8,
@@ -289,6 +290,7 @@ class RichReporter(Reporter):
         self.progress.console.print(f"warning: {message}", style="yellow", markup=False)
 
     def _started(self, figures: StageFigures) -> None:
+        self._fit(self.running_stages())
         # escape(): paths, server messages and versions are text, never Rich markup.
         self._tasks[figures.name] = self.progress.add_task(
             escape(figures.label), total=None, figures=figures
@@ -309,13 +311,21 @@ class RichReporter(Reporter):
             self.progress.remove_task(task)
             self.progress.refresh()  # (else the next line printed shows the stale row again)
 
+    def _fit(self, running: list[StageFigures]) -> None:
+        """The description's width: the line less the figures the running stages show
+        (spinner, bar, bytes, rate, time and the gaps; without bytes, spinner and time)."""
+        figures_width = 50 if any(f.bytes for f in running) else 12
+        self._description.max_width = max(self.console.width - figures_width, 16)
+
     def _tick(self) -> None:
-        for figures in self.running_stages():
+        running = self.running_stages()
+        self._fit(running)
+        for figures in running:
             task = self._tasks.get(figures.name)
             if task is None or not figures.bytes:
                 continue
             done, total, ranks = self.progress_of(figures)
-            label = figures.label + (f" ({ranks} ranks)" if ranks > 1 else "")
+            label = figures.label + (f", {ranks} ranks" if ranks > 1 else "")
             live = figures.done.live or done > 0
             self.progress.update(
                 task,
@@ -339,8 +349,8 @@ class _BarColumn(ProgressColumn):
     """A bar for a stage that moves bytes (pulsing until its bytes are counted), else none."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._bar = BarColumn(bar_width=16)
+        super().__init__(table_column=Column(no_wrap=True))
+        self._bar = BarColumn(bar_width=10)
 
     def render(self, task: Task) -> RenderableType:
         return self._bar.render(task) if _is_bytes_task(task) else Text("")
@@ -354,19 +364,21 @@ class _BytesColumn(ProgressColumn):
             return Text("")
         total = task.fields.get("nbytes") or task.fields["figures"].bytes
         if task.total is None:
-            return Text(format_bytes(total), style="progress.download")
+            return Text(f"{format_bytes(total):>14}", style="progress.download")
         number, unit = format_bytes(total).split()
         scale = float(total) / float(number) if float(number) else 1.0
         done = f"{task.completed / scale:.2f}" if unit != "B" else str(int(task.completed))
-        return Text(f"{done}/{number} {unit}", style="progress.download")
+        return Text(f"{done + '/' + number + ' ' + unit:>14}", style="progress.download")
 
 
 class _RateColumn(ProgressColumn):
     def render(self, task: Task) -> Text:
         speed = task.finished_speed or task.speed
-        if not _is_bytes_task(task) or task.total is None or not speed:
+        if not _is_bytes_task(task):
             return Text("")
-        return Text(f"{format_bytes(speed)}/s", style="progress.data.speed")
+        if task.total is None or not speed:
+            return Text(" " * 11)
+        return Text(f"{format_bytes(speed) + '/s':>11}", style="progress.data.speed")
 
 
 class _TimeColumn(ProgressColumn):
@@ -374,8 +386,8 @@ class _TimeColumn(ProgressColumn):
 
     def render(self, task: Task) -> Text:
         if _is_bytes_task(task) and task.total is not None and task.time_remaining is not None:
-            return Text(f"eta {_clock(task.time_remaining)}", style="progress.remaining")
-        return Text(_clock(task.elapsed or 0), style="progress.elapsed")
+            return Text(f"{'eta ' + _clock(task.time_remaining):<9}", style="progress.remaining")
+        return Text(f"{_clock(task.elapsed or 0):<9}", style="progress.elapsed")
 
 
 def _clock(seconds: float) -> str:

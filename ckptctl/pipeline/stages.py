@@ -116,7 +116,7 @@ def register_share(
 ) -> None:
     """engine: checkpoint-engine copies views of the file mapping into pinned buffers it
     allocates; direct: we pread into buffers and pin them in place (pinning.py)."""
-    label = "reading and pinning the share"
+    label = "loading the shares"  # (short: the live view adds ", N ranks" at 80 columns)
     with job.reporter.stage("register", label, nbytes=share.bytes, node_wide=True) as st:
         st.detail = f"{mode} registration"
         if mode == "engine":
@@ -333,7 +333,7 @@ def push(
 ) -> None:
     """The update itself: broadcast, then (for `all`) p2p into `p2p_ranks`, as the seed does."""
     with (
-        job.reporter.stage("update", "pushing the weights to the server", nbytes=nbytes) as st,
+        job.reporter.stage("update", "pushing the weights", nbytes=nbytes) as st,
         frozen_heap(),
     ):
         # Every bucket the server's worker has loaded counts (parameter_server.py).
