@@ -89,6 +89,8 @@ class StageFigures:
             doc["bytes"] = self.bytes
             rate = self.gb_per_s
             doc["gb_per_s"] = round(rate, 3) if rate is not None else None
+            if self.done.live:  # what the progress display counted (an estimate for some)
+                doc["bytes_done"] = self.done_bytes()
         if self.detail:
             doc["detail"] = self.detail
         return doc
