@@ -127,3 +127,35 @@ ConsumeShmOpt = Annotated[
         "ckptctl never modifies or deletes checkpoint files.",
     ),
 ]
+
+
+# -- --verify (ckptctl/verify.py) -----------------------------------------------------------------
+
+VerifyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify",
+        help="After the update, prove that the servers hold it, through SGLang's weights "
+        "checker: the SHA-256 of every tensor where a server offers compare_checksum, else "
+        "the same per-engine checksum on every server fed (SGLang >= 0.5.12, two or more "
+        "servers). Exit 1 naming the tensors that differ; exit 3, before pushing, where it "
+        "cannot be done.",
+    ),
+]
+VerifyRoundTripOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify-round-trip",
+        help="For the first update of a run, into a server started from this same checkpoint: "
+        "snapshot its weights, reset them to random values, update, and have it compare "
+        "(SGLang >= 0.5.12). Needs --reset-served-weights.",
+    ),
+]
+ResetServedWeightsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--reset-served-weights",
+        help="Confirm --verify-round-trip: the server serves random weights from the reset "
+        "until the update lands, and keeps them if the update fails.",
+    ),
+]
