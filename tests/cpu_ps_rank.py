@@ -66,7 +66,7 @@ class CpuParameterServerSession:
             return buffer_views(self.buffers[name])
         return [
             (n, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-            for n, t in self.registered[name].items()
+            for n, t in self.registered.get(name, {}).items()
         ]
 
     def ensure_group(self) -> float | None:

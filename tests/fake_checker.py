@@ -3,12 +3,14 @@
 What each version answers is in tests/WEIGHTS-CHECKER.md (read from SGLang's released wheels);
 this module answers the same way, computing real hashes of real bytes:
 
+- `Weights`: what a checker needs of the weights it checks; `HeldWeights` implements it over
+  bytes (the GPU receiver over its workers' GPU tensors, gpu_receiver.py).
 - `HeldWeights`: what the server holds, by checkpoint tensor name, as TP shards (a tensor with
   two or more dims whose first dim divides by the TP size is split along it; the rest is
   replicated), plus a RoPE-cache buffer like every SGLang model has. Filled from a checkpoint
   (`receive`), with failure injection: `drop` (a tensor the update silently leaves as it was)
   and `corrupt` (a tensor whose first byte arrives flipped).
-- `checker_answer(version, held, action_doc)`: (HTTP status, JSON body) as SGLang `version`
+- `checker_answer(version, weights, action_doc)`: (HTTP status, JSON body) as SGLang `version`
   answers. Versions: "0.5.6" (snapshot/reset_tensors/compare, resets RoPE caches too),
   "0.5.12" (+ checksum, TP rank 0 only), "0.5.13" (every rank, per_gpu/per_engine checksums,
   GET), "0.5.23" (parallelism_info per role), "pr17009" (+ compare_checksum, the proposal).
@@ -68,15 +70,44 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     return out
 
 
+class Weights:
+    """What a checker works on: the server's weights as `tp_size` ranks hold them. Implemented
+    over bytes here (`HeldWeights`) and over GPU workers in gpu_receiver.py."""
+
+    tp_size: int = 1
+    lock: threading.Lock
+
+    def snapshot(self) -> None:
+        raise NotImplementedError
+
+    def drop_snapshot(self) -> None:
+        raise NotImplementedError
+
+    def reset(self, *, rope_too: bool) -> None:
+        raise NotImplementedError
+
+    def differs_from_snapshot(self) -> list[str] | None:
+        """Names whose TP-rank-0 shard changed since the snapshot; None without one."""
+        raise NotImplementedError
+
+    def rank_checksums(self, rank: int) -> dict[str, str]:
+        """SGLang's CPU `tensor_hash` of each parameter's shard on `rank` (RoPE cache left out)."""
+        raise NotImplementedError
+
+    def sha256(self) -> dict[str, str]:
+        """The SHA-256 of every whole tensor (what compare_checksum rebuilds and hashes)."""
+        raise NotImplementedError
+
+
 @dataclass
-class HeldWeights:
+class HeldWeights(Weights):
     """The weights a fake server holds, as `tp_size` ranks would."""
 
     tp_size: int = 1
     tensors: dict[str, Tensor] = field(default_factory=dict)
     drop: set[str] = field(default_factory=set)
     corrupt: set[str] = field(default_factory=set)
-    snapshot: dict[str, bytes] | None = None
+    saved: dict[str, bytes] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -105,8 +136,35 @@ class HeldWeights:
         t = self.tensors[name]
         return shard_bytes(t.data, t.shape, self.tp_size, rank)
 
+    def snapshot(self) -> None:
+        self.saved = {name: bytes(t.data) for name, t in self.tensors.items()}
 
-def shard_bytes(data: bytes | bytearray, shape: list[int], tp_size: int, rank: int) -> bytes:
+    def drop_snapshot(self) -> None:
+        self.saved = None
+
+    def reset(self, *, rope_too: bool) -> None:
+        for name, t in self.tensors.items():
+            if name != ROPE_BUFFER or rope_too:
+                t.data[:] = os.urandom(len(t.data))
+
+    def differs_from_snapshot(self) -> list[str] | None:
+        if self.saved is None:
+            return None
+        return [
+            name
+            for name in sorted(self.tensors)
+            if shard_bytes(self.saved[name], self.tensors[name].shape, self.tp_size, 0)
+            != self.shard(name, 0)
+        ]
+
+    def rank_checksums(self, rank: int) -> dict[str, str]:
+        return {n: tensor_hash(self.shard(n, rank)) for n in self.tensors if n != ROPE_BUFFER}
+
+    def sha256(self) -> dict[str, str]:
+        return {n: hashlib.sha256(t.data).hexdigest() for n, t in self.tensors.items()}
+
+
+def shard_bytes(data: Any, shape: list[int], tp_size: int, rank: int) -> bytes:
     """TP rank `rank`'s part of a tensor: a row block when the first dim splits evenly."""
     if tp_size > 1 and len(shape) >= 2 and shape[0] % tp_size == 0:
         step = len(data) // tp_size
@@ -114,7 +172,8 @@ def shard_bytes(data: bytes | bytearray, shape: list[int], tp_size: int, rank: i
     return bytes(data)
 
 
-def _tensor_hash(data: bytes) -> str:
+def tensor_hash(data: bytes) -> str:
+    """SGLang's `tensor_hash` of a CPU tensor, as its checker prints it."""
     return hashlib.sha256(data).digest()[:8].hex()
 
 
@@ -122,7 +181,10 @@ def _fail(message: str, **extra: Any) -> tuple[int, dict[str, Any]]:
     return 400, {"success": False, "message": message, **extra}
 
 
-def checker_answer(version: str, held: HeldWeights, doc: Any) -> tuple[int, dict[str, Any]]:
+_OK = (200, {"success": True, "message": "Success."})
+
+
+def checker_answer(version: str, weights: Weights, doc: Any) -> tuple[int, dict[str, Any]]:
     """(status, body) of `POST /weights_checker` with body `doc` on SGLang `version`."""
     spec = CHECKER_VERSIONS[version]
     if doc is None and spec["get"]:
@@ -140,49 +202,40 @@ def checker_answer(version: str, held: HeldWeights, doc: Any) -> tuple[int, dict
                      "type": "BadRequestError", "code": 400}  # fmt: skip
     if action not in spec["actions"]:
         return _fail(f"Unsupported action={action!r}")
-    with held.lock:
-        return _ACTIONS[action](version, held, doc)
+    with weights.lock:
+        return _ACTIONS[action](version, weights, doc)
 
 
-def _snapshot(version: str, held: HeldWeights, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    held.snapshot = {name: bytes(t.data) for name, t in held.tensors.items()}
-    return 200, {"success": True, "message": "Success."}
+def _snapshot(version: str, weights: Weights, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    weights.snapshot()
+    return _OK
 
 
-def _reset(version: str, held: HeldWeights, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    for name, t in held.tensors.items():
-        if name == ROPE_BUFFER and version != "0.5.6":
-            continue  # 0.5.12 on skip non-persistent buffers
-        t.data[:] = os.urandom(len(t.data))
-    return 200, {"success": True, "message": "Success."}
+def _reset(version: str, weights: Weights, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    weights.reset(rope_too=version == "0.5.6")  # 0.5.12 on skip non-persistent buffers
+    return _OK
 
 
-def _compare(version: str, held: HeldWeights, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    if held.snapshot is None:
+def _compare(version: str, weights: Weights, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    # Only TP rank 0's reply reaches the client (WEIGHTS-CHECKER.md, Dispatch).
+    changed = weights.differs_from_snapshot()
+    if changed is None:
         return _fail("")  # SGLang: a bare AssertionError
-    lines = []
-    for name in sorted(held.tensors):
-        # Only TP rank 0's reply reaches the client (WEIGHTS-CHECKER.md, Dispatch).
-        shape = held.tensors[name].shape
-        if shard_bytes(held.snapshot[name], shape, held.tp_size, 0) != held.shard(name, 0):
-            lines.append(f"name={name} max_abs_err=1.0 mean_abs_err=0.5 num_exceed=1 ")
     if version == "0.5.23":
-        held.snapshot = None
-    if lines:
+        weights.drop_snapshot()
+    if changed:
+        lines = [f"name={n} max_abs_err=1.0 mean_abs_err=0.5 num_exceed=1 " for n in changed]
         return _fail("check tensor equality failed:\n" + "\n".join(lines))
-    return 200, {"success": True, "message": "Success."}
+    return _OK
 
 
-def _checksum(version: str, held: HeldWeights, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def _checksum(version: str, weights: Weights, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    tp = weights.tp_size
     ranks = []
-    for rank in range(held.tp_size if version != "0.5.12" else 1):
-        sums = {
-            name: _tensor_hash(held.shard(name, rank))
-            for name in held.tensors
-            if name != ROPE_BUFFER
-        }
-        info: Any = {"tp_rank": rank, "tp_size": held.tp_size, "dp_rank": 0, "dp_size": 1,
-                     "pp_rank": 0, "pp_size": 1, "rank": rank, "size": held.tp_size}  # fmt: skip
+    for rank in range(tp if version != "0.5.12" else 1):  # 0.5.12: TP rank 0 only
+        sums = weights.rank_checksums(rank)
+        info: Any = {"tp_rank": rank, "tp_size": tp, "dp_rank": 0, "dp_size": 1,
+                     "pp_rank": 0, "pp_size": 1, "rank": rank, "size": tp}  # fmt: skip
         entry: dict[str, Any] = {"checksums": sums}
         if version != "0.5.12":
             h = hashlib.sha256()
@@ -204,17 +257,14 @@ def _checksum(version: str, held: HeldWeights, doc: dict[str, Any]) -> tuple[int
 
 
 def _compare_checksum(
-    version: str, held: HeldWeights, doc: dict[str, Any]
+    version: str, weights: Weights, doc: dict[str, Any]
 ) -> tuple[int, dict[str, Any]]:
     expected = doc.get("checksums")
     if not isinstance(expected, dict):
         return _fail("compare_checksum needs 'checksums': {name: sha256}")
-    mismatched = sorted(
-        name
-        for name, want in expected.items()
-        if name in held.tensors and hashlib.sha256(held.tensors[name].data).hexdigest() != want
-    )
-    unknown = sorted(name for name in expected if name not in held.tensors)
+    held = weights.sha256() if expected else {}
+    mismatched = sorted(n for n, want in expected.items() if n in held and held[n] != want)
+    unknown = sorted(n for n in expected if n not in held)
     if mismatched or unknown:
         return _fail(
             f"checksum comparison failed: {len(mismatched)} mismatched: {', '.join(mismatched)}; "

@@ -232,7 +232,10 @@ class _Handler(BaseHTTPRequestHandler):
         b: Behaviour = self.server.behaviour
         if b.held is None:
             b.held = HeldWeights()
-        status, body = checker_answer(version, b.held, doc)
+        try:
+            status, body = checker_answer(version, b.held, doc)
+        except Exception as exc:  # noqa: BLE001 - SGLang's scheduler reports it the same way
+            status, body = 400, {"success": False, "message": f"{exc}"}
         return self._send_json(status, body)
 
     def _send_raw(self, status: int, body: bytes) -> None:

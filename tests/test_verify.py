@@ -285,3 +285,41 @@ def test_buffer_views_read_checkpoint_engines_layout() -> None:
     assert [(n, bytes(v)) for n, v in views] == [
         (n, t.reshape(-1).view(torch.uint8).numpy().tobytes()) for n, t in tensors.items()
     ]
+
+
+def test_the_gpu_receivers_checker_answers_like_the_cpu_fake() -> None:
+    """tests/gpu_receiver.py's worker ops, run here on CPU tensors: the same checksums, shards
+    and SHA-256s as fake_checker's, so the GPU test checks what the CPU tests check."""
+    import gpu_receiver
+    from safetensors.torch import load_file
+
+    loaded: dict[str, Any] = {}
+    for f in sorted(TINY.glob("*.safetensors")):
+        loaded.update(load_file(str(f)))
+    params = [{n: t.clone() for n, t in loaded.items()} for _ in range(2)]
+    states: list[dict[str, Any]] = [{}, {}]
+
+    class Receiver:
+        devices = [0, 1]
+
+        def ask_workers(self, op: str, indices: list[int] | None = None) -> list[Any]:
+            return [
+                gpu_receiver._checker_op(params[i], states[i], op, i, 2)
+                for i in (indices if indices is not None else [0, 1])
+            ]
+
+    weights = gpu_receiver._GpuWeights(Receiver())  # type: ignore[arg-type]
+    held = HeldWeights.started_from(TINY, tp_size=2)
+    assert weights.tp_size == 2
+    for rank in (0, 1):
+        assert weights.rank_checksums(rank) == held.rank_checksums(rank)
+    assert weights.sha256() == {n: h for n, h in held.sha256().items() if n != ROPE_BUFFER}
+    assert weights.differs_from_snapshot() is None
+    weights.snapshot()
+    weights.reset(rope_too=False)
+    changed = weights.differs_from_snapshot()
+    assert changed is not None and Q in changed
+    for i in (0, 1):
+        params[i][Q].copy_(loaded[Q])
+    weights.drop_snapshot()
+    assert weights.differs_from_snapshot() is None

@@ -319,8 +319,9 @@ class ParameterServerSession:
 
     def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
         """(tensor name, its bytes) for every tensor this rank registered as `name`: views of
-        the pinned buffers the update sends from, whichever way they were registered."""
-        return buffer_views(self.ps._get_memory_pool(name))
+        the pinned buffers the update sends from, whichever way they were registered. (A rank
+        whose share is empty registered nothing.)"""
+        return buffer_views(self.ps._memory_pool.get(name, []))
 
     def gather(self, name: str) -> None:
         self.ensure_group()
