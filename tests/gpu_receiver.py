@@ -278,12 +278,18 @@ def _checker_op(params: dict[str, Any], state: dict[str, Any], op: str, rank: in
         if saved is None:
             return None
         return sorted(n for n, p in params.items() if not torch.equal(_as_bytes(p), saved[n]))
-    elif op == "checksums":
-        return {
-            n: tensor_hash(shard_bytes(host(p), list(p.shape), tp, rank)) for n, p in params.items()
-        }
-    elif op == "sha256":
-        return {n: hashlib.sha256(host(p)).hexdigest() for n, p in params.items()}
+    elif op in ("checksums", "sha256"):
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(item: tuple[str, Any]) -> tuple[str, str]:
+            name, p = item
+            data = host(p)  # (hashlib lets go of the GIL: the threads hash side by side)
+            if op == "sha256":
+                return name, hashlib.sha256(data).hexdigest()
+            return name, tensor_hash(shard_bytes(data, list(p.shape), tp, rank))
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return dict(pool.map(one, params.items()))
     else:
         raise ValueError(f"unknown checker op {op!r}")
     return None
@@ -480,6 +486,7 @@ class ReceiverServer:
         self._history: list[dict[str, Any]] = []
         self._seq = 0
         self._checker_seq = 0
+        self._checker_log: list[dict[str, Any]] = []  # the weights checker's ops, timed
 
     # -- life cycle -------------------------------------------------------------------------
     @property
@@ -552,6 +559,7 @@ class ReceiverServer:
             for info, last in zip(self._workers, self._last, strict=False):
                 workers.append({**info, **(last or {"update": None})})
             history = list(self._history)
+            checker_ops = list(self._checker_log)
         last_ok = history[-1]["ok"] if history else None
         return {
             "profile": self.behaviour.profile,
@@ -564,11 +572,13 @@ class ReceiverServer:
             "config": asdict(self.config),
             "workers": workers,
             "history": history,
+            "checker_ops": checker_ops,
         }
 
     def reset(self) -> None:
         with self._state_lock:
             self._history.clear()
+            self._checker_log.clear()
             self._last = [None] * len(self.devices)
 
     def set_config(self, **changes: Any) -> ReceiverConfig:
@@ -731,6 +741,7 @@ class ReceiverServer:
                 self._conns[i].send(("checker", seq, op))
             deadline = time.monotonic() + float(self.config.worker_timeout_s) + 30.0
             out = []
+            t0 = time.monotonic()
             for i in chosen:
                 while True:
                     msg = self._recv(self._conns[i], self._procs[i], deadline)
@@ -741,6 +752,8 @@ class ReceiverServer:
                 if "error" in msg[2]:
                     raise RuntimeError(f"GPU {self.devices[i]}: {msg[2]['error']}")
                 out.append(msg[2]["ok"])
+            with self._state_lock:
+                self._checker_log.append({"op": op, "seconds": round(time.monotonic() - t0, 6)})
             return out
 
     @staticmethod
