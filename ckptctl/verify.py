@@ -180,7 +180,8 @@ class Checker:
 
 
 def _clip(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
+    """Server text for one error line: printable (no terminal escapes), one line, bounded."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -322,7 +323,8 @@ def check_expected(checker: Checker, expected: dict[str, str]) -> None:
     if answer.status == 400 and answer.doc is not None and answer.doc.get("success") is False:
         names = disputed_names(answer, set(expected))
         what = (
-            f"{len(names)} tensor(s) differ from what was sent: {_list(names)}"
+            f"{len(names)} tensor(s) differ from what was sent: {_list(names)} "
+            f"(the server said: {_clip(answer.message, 200)})"
             if names
             else f"it disputes the checksums: {_clip(answer.message)}"
         )
@@ -355,7 +357,7 @@ def disputed_names(answer: Answer, known: set[str] | None = None) -> list[str]:
 
 
 def _list(names: Sequence[str]) -> str:
-    shown = ", ".join(names[:SHOWN_NAMES])
+    shown = ", ".join(_clip(n, 200) for n in names[:SHOWN_NAMES])
     more = len(names) - SHOWN_NAMES
     return shown + (f" and {more} more" if more > 0 else "")
 

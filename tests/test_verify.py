@@ -323,3 +323,11 @@ def test_the_gpu_receivers_checker_answers_like_the_cpu_fake() -> None:
         params[i][Q].copy_(loaded[Q])
     weights.drop_snapshot()
     assert weights.differs_from_snapshot() is None
+
+
+def test_what_a_server_says_reaches_the_error_line_without_terminal_escapes() -> None:
+    with FakeServer(Behaviour(profile="sglang-0.5.23")) as s:
+        _route(s, (400, {"success": False, "message": "name=\x1b[31mevil\x1b[0m\nmore"}))
+        with pytest.raises(OperationFailed) as err:
+            round_trip_compare(_checker(s))
+    assert "\x1b" not in str(err.value) and "\n" not in str(err.value)
