@@ -117,7 +117,7 @@ def test_two_servers_agree_per_engine_and_a_corrupting_one_is_named(ckpt: Path) 
         code, out, err = _update([a.endpoint, b.endpoint], ckpt, "--verify")
         assert code == 0, err[-3000:]
         doc = _summary(out)
-        assert doc["verified"] == "per-engine" and doc["verification"]["servers"] == 2
+        assert doc["verified"] == "per-engine" and doc["verification"]["server_count"] == 2
         _record("verify-per-engine-2x-tp1", {"verification": doc["verification"]})
 
         b.set_config(corrupt_tensor=FLIPPED)

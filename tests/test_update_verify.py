@@ -91,7 +91,7 @@ def test_two_servers_agree_per_engine_and_a_corrupting_one_is_named() -> None:
         )  # fmt: skip
     assert ok.returncode == 0, ok.stderr
     doc = _result(ok)
-    assert doc["verified"] == "per-engine" and doc["verification"]["servers"] == 2
+    assert doc["verified"] == "per-engine" and doc["verification"]["server_count"] == 2
     assert failed.returncode != 0 and _result(failed)["exit_code"] == 1
     assert "hold different weights" in failed.stderr
     assert f"disagree (no majority) in 1 parameter(s): dp0/pp0/tp0 {LM}" in failed.stderr

@@ -9,7 +9,7 @@ hold (the HTTP contract and the hashing are in ckptctl/verify.py).
     check_weights     after the push: compare_checksum / per-engine agreement / compare
 
 Only group leaders talk to servers; what one rank needs from the others goes through the job's
-store (`Job.share`), so servers on other nodes take part too.
+store (`_share`), so servers on other nodes take part too.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def check_weights(
             st.detail = _check_agreement(job, assignment, verification)
         else:
             st.detail = _check_round_trip(job, assignment, verification)
-    return {"how": how, "servers": verification.servers, **verification.details}
+    return {"how": how, "server_count": verification.servers, **verification.details}
 
 
 def _check_sha256(
