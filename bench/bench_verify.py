@@ -80,7 +80,9 @@ def _rate(fn: Any, nbytes: int, repeat: int = 3) -> float:
     return nbytes / best / 1e9
 
 
-def bench_hash(model: str, world: int, max_gb: float, threads: int) -> dict[str, Any]:
+def bench_hash(
+    model: str, specs: list[Any], world: int, max_gb: float, threads: int
+) -> dict[str, Any]:
     import hashlib
 
     import numpy as np
@@ -88,7 +90,6 @@ def bench_hash(model: str, world: int, max_gb: float, threads: int) -> dict[str,
 
     from ckptctl.verify import sha256_tensors
 
-    specs = model_specs(model)
     share = largest_share(specs, world)
     sizes = [nbytes(s[1], s[2]) for s in share]  # largest first
     share_bytes = sum(sizes)
@@ -244,7 +245,7 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
         "tensors": n_tensors,
         "gpu": torch.cuda.get_device_name(0),
         "cpus": len(os.sched_getaffinity(0)),
-        "hash_limits": bench_hash(args.model, args.tp, args.max_gb, _threads(args.tp)),
+        "hash_limits": bench_hash(label, specs, args.tp, args.max_gb, _threads(args.tp)),
         "runs": runs,
         "command": f"python bench/bench_verify.py gpu --model {args.model} --tp {args.tp}"
         + (f" --layers {args.layers}" if args.layers else "")
@@ -271,7 +272,10 @@ def gpu_markdown(doc: dict[str, Any]) -> str:
     ]
     for r in doc["runs"]:
         v = r["verification"] or {}
-        ops = sum(o["seconds"] for o in r["receiver_checker_ops"])
+        # The receiver's own work inside the check stage (not its probe, snapshot or reset).
+        ops = sum(
+            o["seconds"] for o in r["receiver_checker_ops"] if o["op"] in ("sha256", "compare")
+        )
         hashing = (
             f"{v['hash_seconds']:.2f} ({v['hash_waited_seconds']:.2f})"
             if "hash_seconds" in v
@@ -315,8 +319,8 @@ def main() -> None:
         import platform
 
         rows = [
-            bench_hash("qwen3-8b", 2, args.max_gb, _threads(2)),
-            bench_hash("deepseek-v3", 16, args.max_gb, _threads(8)),
+            bench_hash("qwen3-8b", model_specs("qwen3-8b"), 2, args.max_gb, _threads(2)),
+            bench_hash("deepseek-v3", model_specs("deepseek-v3"), 16, args.max_gb, _threads(8)),
         ]
         cpu = f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
         write_results(
