@@ -17,7 +17,7 @@ from ckpt_factory import mixed_tensors, write_real_checkpoint
 from gpu_receiver import ReceiverServer
 from test_gpu_update import _big_tensors, _record, _summary, _torchrun, needs_two
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]  # several torchruns per test
 
 LOST = "model.layers.1.mlp.up_proj.weight"  # 1 MiB, in the middle of a bucket
 FLIPPED = "fp8_e4m3"  # a small one
