@@ -33,7 +33,9 @@ class CpuParameterServerSession:
     kept as views, `update` hands every rank's fake IPC socket paths to the request function
     in a thread, the way checkpoint-engine does."""
 
-    def __init__(self, *, p2p: str, io_timeout: Any, group_store: Any = None) -> None:
+    def __init__(
+        self, *, p2p: str, io_timeout: Any, group_store: Any = None, on_failure: Any = None
+    ) -> None:
         self.p2p_enabled = False
         self.p2p_error = None
         self.registered: dict[str, dict[str, Any]] = {}
@@ -69,6 +71,17 @@ class CpuParameterServerSession:
         self.registered[name] = {f: f for f in files}
         for f in files:
             os.remove(f)
+
+    def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
+        """What the real session hashes for --verify: the bytes each tensor was registered with."""
+        if name in self.buffers:
+            from ckptctl.pipeline.parameter_server import buffer_views
+
+            return buffer_views(self.buffers[name])
+        return [
+            (n, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            for n, t in self.registered.get(name, {}).items()
+        ]
 
     def ensure_group(self) -> float | None:
         return None  # no process group to build here

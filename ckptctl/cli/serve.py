@@ -8,68 +8,83 @@ only serve job of this user on the node.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
 from ckptctl.cli._options import (
+    SERVE_JOB,
+    WAITING,
     ApiKeyOpt,
+    BucketSizeOpt,
+    CheckpointPathOpt,
     ConsumeShmOpt,
+    ControlSocketOpt,
     EndpointsOpt,
     EngineOpt,
+    HelpOpt,
     InferenceParallelSizeOpt,
     JsonOpt,
+    MemFractionOpt,
+    PushTimeoutOpt,
     QuietOpt,
     RegisterModeOpt,
     SplitOpt,
     UdsListOpt,
     VerboseOpt,
     WeightVersionOpt,
+    at_least,
 )
 from ckptctl.cli._output import Output
+from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed, UsageError
 
-ControlSocketOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--control-socket",
-        help="Unix socket of this node's control endpoint. Default: serve-DIGEST.sock, "
-        "named after the servers, in $XDG_RUNTIME_DIR/ckptctl/ or /tmp/ckptctl-UID/.",
-        show_default=False,
-    ),
-]
+# The clients' flags: which serve job on this node to talk to.
 JobSocketOpt = Annotated[
     str | None,
     typer.Option(
         "--control-socket",
+        metavar="PATH",
+        envvar=CONTROL_SOCKET_ENV,
+        show_envvar=True,
+        show_default=False,
+        rich_help_panel=SERVE_JOB,
         help="The serve job's control socket. Default: that of the job feeding --endpoint, "
         "or your only serve job on this node.",
-        show_default=False,
     ),
 ]
 FindEndpointOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--endpoint",
-        help="Talk to the serve job that feeds this server (needed when several run here).",
+        metavar="URL",
+        envvar=ENDPOINT_ENV,
+        show_envvar=True,
         show_default=False,
+        rich_help_panel=SERVE_JOB,
+        help="Talk to the serve job that feeds this server (where several run here).",
     ),
 ]
 FindUdsOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--uds",
-        help="Talk to the serve job that feeds the server on this Unix socket.",
+        metavar="PATH",
+        envvar=UDS_ENV,
+        show_envvar=True,
         show_default=False,
+        rich_help_panel=SERVE_JOB,
+        help="Talk to the serve job that feeds the server on this Unix socket.",
     ),
 ]
 WaitOpt = Annotated[
     float,
     typer.Option(
         "--wait",
-        min=0.0,
+        metavar="SECONDS",
+        callback=at_least(0),
+        rich_help_panel=WAITING,
         help="Wait up to this many seconds for the serve job to answer (it starts for a while "
         "after `serve &`); exit 4 if it does not.",
     ),
@@ -85,17 +100,13 @@ def serve_command(
     control_socket: ControlSocketOpt = None,
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.engine,
-    push_timeout: Annotated[
-        float,
-        typer.Option(
-            "--push-timeout",
-            min=1.0,
-            help="Seconds one push may take; a push past it fails (exit 4) and the job goes on.",
-        ),
-    ] = 600.0,
+    push_timeout: PushTimeoutOpt = 600.0,
+    bucket_size_gb: BucketSizeOpt = None,
+    mem_fraction: MemFractionOpt = None,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Keep a parameter server up on every rank and push checkpoints on command (experimental).
 
@@ -123,6 +134,8 @@ def serve_command(
         split=split.value,
         register_mode=register_mode.value,
         push_timeout=push_timeout,
+        bucket_size_gb=bucket_size_gb,
+        mem_fraction=mem_fraction,
         verbose=verbose,
     )
     run_job_with_display(run_serve, opts, out)
@@ -152,24 +165,36 @@ def _call(
 
 
 def push_command(
-    checkpoint_path: Annotated[
-        Path,
-        typer.Option("--checkpoint-path", help="Checkpoint directory to push.", show_default=False),
-    ],
+    checkpoint_path: CheckpointPathOpt,
     weight_version: WeightVersionOpt = None,
     checkpoint_name: Annotated[
-        str | None, typer.Option("--checkpoint-name", help="Name to register it under.")
+        str | None,
+        typer.Option(
+            "--checkpoint-name",
+            metavar="NAME",
+            rich_help_panel="Checkpoint",
+            help="Name to register it under (default: push-N).",
+        ),
     ] = None,
+    consume_shm_files: ConsumeShmOpt = False,
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
-    consume_shm_files: ConsumeShmOpt = False,
     wait: WaitOpt = 0.0,
     timeout: Annotated[
-        float, typer.Option("--timeout", min=1.0, help="Seconds to wait for the push (exit 4).")
+        float,
+        typer.Option(
+            "--timeout",
+            metavar="SECONDS",
+            callback=at_least(1),
+            rich_help_panel=WAITING,
+            help="Seconds to wait for the push's answer (exit 4); the serve job bounds each "
+            "push by its own --push-timeout.",
+        ),
     ] = 900.0,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Push a checkpoint through a running `ckptctl serve` job on this node (experimental)."""
     out = Output(json_mode=json_output, quiet=quiet)
@@ -207,6 +232,7 @@ def status_command(
     wait: WaitOpt = 0.0,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Show what a running `ckptctl serve` job on this node holds and did last (experimental)."""
     out = Output(json_mode=json_output, quiet=quiet)
@@ -226,12 +252,15 @@ def stop_command(
         float,
         typer.Option(
             "--wait",
-            min=0.0,
+            metavar="SECONDS",
+            callback=at_least(0),
+            rich_help_panel=WAITING,
             help="Wait up to this many seconds until the job has stopped serving; exit 4 if not.",
         ),
     ] = 0.0,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Stop a running `ckptctl serve` job on this node: every rank ends cleanly (experimental).
 

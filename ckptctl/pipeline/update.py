@@ -16,6 +16,12 @@ from ckptctl.errors import InvalidInput, UsageError
 from ckptctl.pipeline import stages
 from ckptctl.pipeline.groups import ServerTargets
 from ckptctl.pipeline.job import Job, prepare_environment, run_job
+from ckptctl.pipeline.verification import (
+    check_offers,
+    check_weights,
+    round_trip_reset,
+    start_hashing,
+)
 from ckptctl.progress import Reporter
 
 
@@ -32,6 +38,7 @@ class UpdateOptions:
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
     register_mode: str = "engine"
+    verify: str | None = None  # None | "auto" (--verify) | "round-trip" (--verify-round-trip)
     verbose: bool = False
 
 
@@ -176,16 +183,22 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, split)
         if opts.register_mode == "consume":
             check_consumable_together(job, plan)  # before any rank consumes a file
-        reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
+        reader = stages.prefetch_share(checkpoint, share, opts.register_mode, reporter=job.reporter)
         session = stages.start_parameter_server(job, p2p=p2p)
         stages.register_share(
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
         )
         stages.wait_for_server(job, assignment, servers.engine)
+        verification = None
+        if opts.verify:
+            verification = check_offers(job, assignment, round_trip=opts.verify == "round-trip")
+            start_hashing(job, session, opts.checkpoint_name, verification)
         stages.build_group(job, session)
         stages.gather_metas(job, session, opts.checkpoint_name)
         if opts.save_metas_file:
             stages.save_metas(job, session, opts.save_metas_file, opts.checkpoint_name)
+        if verification is not None:
+            round_trip_reset(job, assignment, verification)
         request = stages.ServerRequest(
             assignment,
             servers,
@@ -207,6 +220,10 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
         )
         if servers.weight_version is not None:
             stages.verify_weight_version(job, assignment, servers.engine, servers.weight_version)
+        verified = None
+        if verification is not None:
+            names = {t.name for t in checkpoint.tensors}
+            verified = check_weights(job, assignment, verification, names)
         wall = job.elapsed()
         ranks = job.gather_figures(
             job.figures(
@@ -228,9 +245,11 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             "world_size": launch.world_size,
             "inference_parallel_size": servers.parallel_size,
             "total_bytes": checkpoint.total_bytes,
-            "tensors": len(checkpoint.tensors),
+            "tensor_count": len(checkpoint.tensors),
             "weight_version": servers.weight_version,
             "metas_file": opts.save_metas_file,
+            "verified": verified["how"] if verified else None,
+            "verification": verified,
             "wall_s": round(wall, 4),
             "ranks": ranks,
         }

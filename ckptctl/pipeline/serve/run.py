@@ -19,6 +19,8 @@ class ServeOptions:
     split: str = "auto"
     register_mode: str = "engine"
     push_timeout: float = 600.0
+    bucket_size_gb: float | None = None
+    mem_fraction: float | None = None
     verbose: bool = False
 
 
@@ -26,7 +28,7 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
     from ckptctl.pipeline import stages
     from ckptctl.pipeline.job import prepare_environment, run_job
 
-    launch = prepare_environment()
+    launch = prepare_environment(bucket_size_gb=opts.bucket_size_gb, mem_fraction=opts.mem_fraction)
     assignment = opts.servers.assign(launch)
     targets = job_targets(opts.servers.endpoints, opts.servers.uds)
     control_socket = opts.control_socket
