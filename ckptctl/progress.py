@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptctl.errors import redact
+
 
 @dataclass
 class StageFigures:
@@ -68,11 +70,11 @@ class Reporter:
 
     def log(self, message: str) -> None:
         if not self.quiet:
-            self._log(message)
+            self._log(redact(message))
 
     def warn(self, message: str) -> None:
         """Warnings print even with --quiet."""
-        self._log(f"warning: {message}")
+        self._log(redact(f"warning: {message}"))
 
     def _started(self, name: str, label: str) -> None:
         if self.primary:
@@ -125,7 +127,7 @@ class RichReporter(Reporter):
 
     def log(self, message: str) -> None:
         if not self.quiet:
-            self.progress.console.print(message, markup=False, highlight=False)
+            self.progress.console.print(redact(message), markup=False, highlight=False)
 
     def _started(self, name: str, label: str) -> None:
         # escape(): paths, server messages and versions are text, never Rich markup.
@@ -134,10 +136,11 @@ class RichReporter(Reporter):
     def _finished(self, figures: StageFigures) -> None:
         task = self._tasks.pop(figures.name, None)
         if task is not None:
-            self.progress.update(task, completed=1, description=escape(figures.summary()))
+            summary = redact(figures.summary())
+            self.progress.update(task, completed=1, description=escape(summary))
 
     def warn(self, message: str) -> None:
-        self.progress.console.print(f"warning: {message}", style="yellow", markup=False)
+        self.progress.console.print(redact(f"warning: {message}"), style="yellow", markup=False)
 
     def close(self) -> None:
         self.progress.stop()
