@@ -1,0 +1,192 @@
+"""Every HTTP exchange has a total deadline and a capped answer (issue 14, item 4).
+
+httpx's timeouts are per read: a server that sends its headers, or its body, one byte at a
+time never trips them, and one that streams an endless body fills memory. Here real servers
+on 127.0.0.1 (and a Unix socket) misbehave that way, against the real `wait-ready` script, the
+update request and the weight-version read-back. Each case asserts the outcome, that the call
+ended (a generous guard, never a tight wall-clock bound), and what the server saw: the client
+hung up, and no more than a bounded number of bytes went out.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import run_script
+from fake_server import Behaviour, FakeServer
+
+from ckptctl.bounded_http import MAX_RESPONSE_BYTES, ResponseTooLarge, bounded_client, deadline
+from ckptctl.readiness import read_weight_version
+from ckptctl.server import CONTRACTS, ServerAddress, make_client, push_update
+
+GUARD_S = 60  # what used to run for ever must end well inside this
+TRICKLES = ["trickle_headers", "trickle_body"]
+FLOODS = ["endless_body", "huge_length"]
+# Kernel socket buffers take some of a flood before the client hangs up; far less than this.
+BYTES_PER_CONNECTION = 64 << 20
+
+
+def _ended(call: Callable[[], Any]) -> Any:
+    """Run `call` in a thread; return what it returned or raised, failing if it never ends."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(GUARD_S)
+    assert not thread.is_alive(), f"still running after {GUARD_S}s"
+    return box.get("error", box.get("value"))
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.05)
+    return condition()
+
+
+def _saw_hang_up(server: FakeServer) -> bool:
+    """A trickling server notices the client gone at its next byte."""
+    return _wait_for(lambda: server.behaviour.disconnects >= 1)
+
+
+def _bounded_flood(server: FakeServer) -> None:
+    connections = max(len(server.behaviour.requests), 1)
+    assert server.behaviour.bytes_sent / connections < BYTES_PER_CONNECTION
+
+
+# -- wait-ready, the installed script ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", TRICKLES + FLOODS)
+def test_wait_ready_ends_at_its_timeout_with_exit_4(mode: str) -> None:
+    with FakeServer(Behaviour(mode=mode)) as s:
+        r = run_script(
+            "wait-ready", "--endpoint", s.endpoint, "--timeout", "2", "--json", timeout=GUARD_S
+        )
+        assert r.returncode == 4, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["ready"] is False
+        if mode in TRICKLES:
+            assert "no answer within" in doc["last_status"]
+            assert _saw_hang_up(s)
+        else:
+            assert "more than 1 MiB" in doc["last_status"]
+            _bounded_flood(s)
+    assert "Traceback" not in r.stderr
+
+
+def test_wait_ready_over_a_unix_socket_is_bounded_too(short_tmp: Path) -> None:
+    path = str(short_tmp / "s.sock")
+    with FakeServer(Behaviour(mode="trickle_body"), uds=path) as s:
+        r = run_script(
+            "wait-ready", "--uds", path, "--endpoint", s.endpoint, "--timeout", "2",
+            timeout=GUARD_S,
+        )  # fmt: skip
+        assert r.returncode == 4, r.stderr
+        assert "no answer within" in r.stderr
+        assert _saw_hang_up(s)
+
+
+def test_a_trickle_longer_than_the_attempt_timeout_is_one_failed_attempt() -> None:
+    """--attempt-timeout bounds a whole attempt, not each read: several attempts fit in the
+    overall timeout, each cut off at its own deadline."""
+    with FakeServer(Behaviour(mode="trickle_headers")) as s:
+        r = run_script(
+            "wait-ready", "--endpoint", s.endpoint, "--timeout", "4", "--attempt-timeout", "0.5",
+            "--interval", "0.05", "--json", timeout=GUARD_S,
+        )  # fmt: skip
+    assert r.returncode == 4
+    assert json.loads(r.stdout)["attempts"] >= 2
+
+
+# -- the update request and the read-back ------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("mode", TRICKLES + FLOODS)
+def test_the_update_request_is_bounded(mode: str, engine: str) -> None:
+    with FakeServer(
+        Behaviour(mode=mode, profile="vllm" if engine == "vllm" else "sglang-0.5.23")
+    ) as s:
+        outcome = _ended(
+            lambda: push_update(
+                ServerAddress(s.endpoint), engine, {"GPU-a": "ipc://@a"}, weight_version=None,
+                timeout=2.0,
+            )
+        )  # fmt: skip
+        if mode in TRICKLES:
+            assert isinstance(outcome, httpx.TimeoutException), outcome
+            assert _saw_hang_up(s)
+        else:
+            assert isinstance(outcome, ResponseTooLarge), outcome
+            _bounded_flood(s)
+
+
+@pytest.mark.parametrize("mode", TRICKLES + FLOODS)
+def test_the_weight_version_read_back_is_bounded(mode: str) -> None:
+    with FakeServer(Behaviour(mode=mode, weights_loaded=True)) as s:
+
+        def read() -> Any:
+            with make_client(ServerAddress(s.endpoint), timeout=2.0) as client:
+                return read_weight_version(client, CONTRACTS["sglang"])
+
+        outcome = _ended(read)
+        expected = httpx.TimeoutException if mode in TRICKLES else ResponseTooLarge
+        assert isinstance(outcome, expected), outcome
+
+
+# -- the client on its own (what the serve control client uses) ---------------------------------
+
+
+def test_a_huge_content_length_is_refused_before_the_body_is_read() -> None:
+    with (
+        FakeServer(Behaviour(mode="huge_length")) as s,
+        bounded_client(s.endpoint, timeout=30) as c,
+    ):
+        with pytest.raises(ResponseTooLarge):
+            c.get("/ping")
+        _bounded_flood(s)
+
+
+def test_the_cap_can_be_set_and_an_answer_within_it_is_read() -> None:
+    with FakeServer(Behaviour(weights_loaded=True)) as s:
+        with bounded_client(s.endpoint, timeout=5) as c:
+            assert c.get("/model_info").json()["weight_version"] == "default"
+        small = bounded_client(s.endpoint, timeout=5, max_response_bytes=20)
+        with small, pytest.raises(ResponseTooLarge, match="larger than 20 bytes"):
+            small.get("/model_info")
+    assert MAX_RESPONSE_BYTES >= 1 << 20
+
+
+def test_one_deadline_bounds_several_requests_together() -> None:
+    """`deadline()` covers a probe's several requests: each request's own timeout is long, the
+    block's is short; the first uses it up, and the second is never sent."""
+    with (
+        FakeServer(Behaviour(mode="trickle_body")) as s,
+        bounded_client(s.endpoint, timeout=30) as c,
+    ):
+
+        def two_requests() -> Any:
+            with deadline(1.0):
+                for _ in range(2):
+                    try:
+                        c.get("/ping")
+                    except httpx.TimeoutException as exc:
+                        last = exc
+            return last
+
+        assert isinstance(_ended(two_requests), httpx.ConnectTimeout)
+        assert len(s.behaviour.requests) == 1
