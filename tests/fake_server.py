@@ -70,6 +70,7 @@ class Behaviour:
     # misbehaviour for every request: None | "hang" | "reset" | "garbage" | "http500" | "bad_json"
     # | "trickle_headers" | "trickle_body" | "endless_body" | "huge_length" | "echo_headers"
     mode: str | None = None
+    mode_paths: tuple[str, ...] = ()  # when set, the misbehaviour is only on these paths
     trickle_interval_s: float = 0.05  # between two bytes of a trickle: far below any timeout
     bytes_sent: int = 0  # by the misbehaviours that stream (trickles, endless bodies)
     disconnects: int = 0  # times a streaming misbehaviour found the client gone
@@ -112,6 +113,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _misbehave(self) -> bool:
         """Apply the server-wide misbehaviour; True when the request has been dealt with."""
         b: Behaviour = self.server.behaviour
+        if b.mode_paths and self.path.split("?")[0] not in b.mode_paths:
+            return False
         if b.mode == "hang":
             while not self.server.stopping.wait(0.05):
                 pass

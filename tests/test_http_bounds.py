@@ -11,6 +11,9 @@ hung up, and no more than a bounded number of bytes went out.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +29,8 @@ from ckptctl.bounded_http import MAX_RESPONSE_BYTES, ResponseTooLarge, bounded_c
 from ckptctl.readiness import read_weight_version
 from ckptctl.server import CONTRACTS, ServerAddress, make_client, push_update
 
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
+CPU_PS_RANK = str(Path(__file__).with_name("cpu_ps_rank.py"))
 GUARD_S = 60  # what used to run for ever must end well inside this
 TRICKLES = ["trickle_headers", "trickle_body"]
 FLOODS = ["endless_body", "huge_length"]
@@ -146,6 +151,27 @@ def test_the_weight_version_read_back_is_bounded(mode: str) -> None:
         outcome = _ended(read)
         expected = httpx.TimeoutException if mode in TRICKLES else ResponseTooLarge
         assert isinstance(outcome, expected), outcome
+
+
+def test_a_flooding_read_back_ends_the_update_with_one_line() -> None:
+    """The real update CLI (one process, the ParameterServer stood in): the push succeeds, the
+    read-back floods; the job ends at once with exit 1 and says why (it used to read until
+    --timeout ran out)."""
+    paths = ("/model_info", "/get_weight_version", "/get_model_info")
+    with FakeServer(Behaviour(mode="endless_body", mode_paths=paths)) as s:
+        r = subprocess.run(
+            [
+                sys.executable, CPU_PS_RANK, "update", "--checkpoint-path", str(TINY),
+                "--inference-parallel-size", "1", "--endpoint", s.endpoint,
+                "--weight-version", "v1", "--timeout", "600",
+            ],
+            capture_output=True, text=True, timeout=GUARD_S, env={**os.environ, "RANK": "0"},
+        )  # fmt: skip
+        _bounded_flood(s)
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "reading the weight version back" in errors[0]
+    assert "more than 1 MiB" in errors[0]
 
 
 # -- the client on its own (what the serve control client uses) ---------------------------------
