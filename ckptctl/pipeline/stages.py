@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
+from ckptctl.pipeline.coordination import PAST_DEADLINE_S
 from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
 from ckptctl.server import ServerAddress
@@ -240,7 +241,11 @@ class ServerRequest:
     def _request(self, address: ServerAddress, handles: dict[str, str]) -> None:
         from ckptctl.server import UpdateRefused, describe_failure, push_update
 
-        left = max(self.watchdog.remaining(), 0.1)
+        # The whole exchange ends a little before the job's deadline (PAST_DEADLINE_S, at most
+        # a quarter of what is left): a server that trickles then fails the request on its own
+        # terms, and in `serve` only this push, before the watchdog would end the whole job.
+        remaining = self.watchdog.remaining()
+        left = max(remaining - min(PAST_DEADLINE_S, remaining / 4), 0.1)
         try:
             message = push_update(
                 address, self.engine, handles, weight_version=self.weight_version, timeout=left
