@@ -44,7 +44,10 @@ def _ckptctl(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _dry_run(path: Path) -> subprocess.CompletedProcess[str]:
-    return _ckptctl("update", "--dry-run", "--checkpoint-path", str(path), "--world-size", "1")
+    return _ckptctl(
+        "update", "--dry-run", "--checkpoint-path", str(path), "--world-size", "1",
+        "--inference-parallel-size", "1",
+    )  # fmt: skip
 
 
 def _one_error_line(r: subprocess.CompletedProcess[str], *words: str) -> str:

@@ -83,6 +83,7 @@ def test_a_url_password_is_not_in_wait_ready_lines_or_json(server: FakeServer) -
     for r in (ok, failed):
         assert _leaks(r.stdout + r.stderr) == [], r.stdout + r.stderr
         assert f"{USER}:***@" in r.stderr
+    assert f"{USER}:***@" in json.loads(failed.stdout)["error"]
 
 
 def test_a_malformed_endpoint_with_a_password_is_refused_without_it() -> None:

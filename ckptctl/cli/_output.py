@@ -50,12 +50,20 @@ class Output:
     def warn(self, message: str) -> None:
         self.err.print(f"{self._prefix()}warning: {redact(message)}", style="yellow", markup=False)
 
-    def result(self, doc: dict[str, Any]) -> None:
-        """The command's JSON result: exactly one document on stdout, from rank 0."""
-        if self.is_primary:
+    def result(self, doc: dict[str, Any], *, ok: bool = True) -> None:
+        """The command's JSON result: exactly one document on stdout, from rank 0, in the
+        envelope (results.py). ok=False: the command is about to fail (it raises next); the
+        fields go out with its error and exit code."""
+        if not self.is_primary:
+            return
+        if ok:
             results.write(doc)
+        else:
+            results.keep(doc)
 
-    def show(self, renderable: Any) -> None:
-        """Human-readable results (tables, summaries) on stdout, from rank 0, not with --json."""
+    def show(self, renderable: Any, *, wrap: bool = False) -> None:
+        """Human-readable results (tables, summaries) on stdout, from rank 0, not with --json.
+        wrap: text wraps at the console's width (80 when stdout is not a terminal); by
+        default a long line (a path) stays whole, for whoever greps the output."""
         if self.is_primary and not self.json_mode:
-            self.out.print(renderable)
+            self.out.print(renderable, soft_wrap=not wrap)

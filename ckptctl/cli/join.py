@@ -10,10 +10,13 @@ import typer
 
 from ckptctl.cli._choices import EngineChoice
 from ckptctl.cli._options import (
+    CHECKPOINT,
+    AllowPickleOpt,
     ApiKeyOpt,
     CheckpointNameOpt,
     EndpointsOpt,
     EngineOpt,
+    HelpOpt,
     InferenceParallelSizeOpt,
     JsonOpt,
     QuietOpt,
@@ -23,6 +26,7 @@ from ckptctl.cli._options import (
     WeightVersionOpt,
 )
 from ckptctl.cli._output import Output
+from ckptctl.defaults import DEFAULT_ENDPOINT
 
 
 def join_command(
@@ -30,29 +34,25 @@ def join_command(
         Path,
         typer.Option(
             "--load-metas-file",
-            help="Metas file written by `ckptctl save-metas` (or `update --save-metas-file`).",
+            metavar="FILE",
             show_default=False,
+            rich_help_panel=CHECKPOINT,
+            help="Metas file written by `ckptctl save-metas` (or `update --save-metas-file`).",
         ),
     ],
-    endpoint: EndpointsOpt = None,
-    uds: UdsListOpt = None,
-    inference_parallel_size: InferenceParallelSizeOpt = 8,
     checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
+    allow_pickle: AllowPickleOpt = False,
+    endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
+    uds: UdsListOpt = None,
     engine: EngineOpt = EngineChoice.sglang,
+    inference_parallel_size: InferenceParallelSizeOpt = 8,
     weight_version: WeightVersionOpt = None,
-    allow_pickle: Annotated[
-        bool,
-        typer.Option(
-            "--allow-pickle",
-            help="Also read a legacy pickle metas file, through a restricted unpickler that "
-            "admits only checkpoint-engine's data models, torch dtypes/sizes and builtins.",
-        ),
-    ] = False,
-    timeout: TimeoutOpt = 600.0,
+    timeout: TimeoutOpt = 600,
     api_key: ApiKeyOpt = None,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Take a checkpoint from running holders over p2p and push it into this node's server.
 

@@ -11,12 +11,15 @@ from ckptctl.cli._choices import EngineChoice, ReadyCondition
 from ckptctl.cli._errors import raise_if_interrupted
 from ckptctl.cli._options import (
     DEFAULT_ENDPOINT,
+    WAITING,
     ApiKeyOpt,
     EndpointOpt,
     EngineOpt,
+    HelpOpt,
     JsonOpt,
     QuietOpt,
     UdsOpt,
+    at_least,
 )
 from ckptctl.cli._output import Output
 from ckptctl.errors import DeadlineExceeded, UsageError, redact
@@ -30,10 +33,13 @@ def wait_ready_command(
     endpoint: EndpointOpt = DEFAULT_ENDPOINT,
     uds: UdsOpt = None,
     engine: EngineOpt = EngineChoice.sglang,
+    api_key: ApiKeyOpt = None,
     for_: Annotated[
         ReadyCondition,
         typer.Option(
             "--for",
+            metavar="STATE",
+            rich_help_panel=WAITING,
             help="listening: the server answers HTTP at all (SGLang's 503 while it waits for "
             "its first weights counts); healthy: its health endpoint answers 200.",
         ),
@@ -42,31 +48,49 @@ def wait_ready_command(
         str | None,
         typer.Option(
             "--weight-version",
+            metavar="VERSION",
+            rich_help_panel=WAITING,
             help="Also wait until the server reports this weight version (SGLang only).",
         ),
     ] = None,
     timeout: Annotated[
-        float, typer.Option("--timeout", min=0.0, help="Give up after this many seconds (exit 4).")
-    ] = 300.0,
+        float,
+        typer.Option(
+            "--timeout",
+            metavar="SECONDS",
+            callback=at_least(0),
+            rich_help_panel=WAITING,
+            help="Give up after this many seconds (exit 4).",
+        ),
+    ] = 300,
     interval: Annotated[
-        float, typer.Option("--interval", min=0.01, help="Seconds between attempts.")
+        float,
+        typer.Option(
+            "--interval",
+            metavar="SECONDS",
+            callback=at_least(0.01),
+            rich_help_panel=WAITING,
+            help="Seconds between attempts.",
+        ),
     ] = 0.5,
     attempt_timeout: Annotated[
         float,
         typer.Option(
-            "--attempt-timeout", min=0.05, help="Seconds one attempt may wait for an answer."
+            "--attempt-timeout",
+            metavar="SECONDS",
+            callback=at_least(0.05),
+            rich_help_panel=WAITING,
+            help="Seconds one attempt may wait for an answer.",
         ),
-    ] = 5.0,
-    api_key: ApiKeyOpt = None,
+    ] = 5,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Wait until the inference server answers (or is healthy, or serves a weight version).
 
-    A server that answers 404 where SGLang and vLLM answer is not one of them: that ends the
-    wait at once (exit 1) instead of at --timeout.
-
-    Example: [bold]ckptctl wait-ready --timeout 600 && torchrun ... ckptctl update ...[/bold]
+    A server that answers 404 where SGLang and vLLM answer is neither: that ends the wait at
+    once (exit 1), not at --timeout.
     """
     from rich.text import Text
 
@@ -124,7 +148,7 @@ def wait_ready_command(
         prober.close()
 
     if json_output:
-        out.result(result.as_json())
+        out.result(result.as_json(), ok=result.ready)  # not ready: the timeout error follows
     if not result.ready:
         raise DeadlineExceeded(
             f"{address.describe()} was not {goal} within {timeout:g}s "

@@ -43,7 +43,7 @@ def run_save_metas(
 
     def body(job: Job) -> dict[str, Any]:
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split)
-        reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
+        reader = stages.prefetch_share(checkpoint, share, opts.register_mode, reporter=job.reporter)
         session = stages.start_parameter_server(job, p2p="optional" if missing is None else "off")
         stages.register_share(
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
@@ -63,7 +63,7 @@ def run_save_metas(
             "split": plan.split,
             "world_size": launch.world_size,
             "total_bytes": checkpoint.total_bytes,
-            "tensors": len(checkpoint.tensors),
+            "tensor_count": len(checkpoint.tensors),
             "joinable": session.p2p_enabled,
             "why_not_joinable": None if session.p2p_enabled else (missing or session.p2p_error),
             "served": ended,

@@ -203,7 +203,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, split)
         if opts.register_mode == "consume":
             check_consumable_together(job, plan)  # before any rank consumes a file
-        reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
+        reader = stages.prefetch_share(checkpoint, share, opts.register_mode, reporter=job.reporter)
         session = stages.start_parameter_server(job, p2p=p2p)
         stages.register_share(
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
@@ -254,7 +254,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             "world_size": launch.world_size,
             "inference_parallel_size": servers.parallel_size,
             "total_bytes": checkpoint.total_bytes,
-            "tensors": len(checkpoint.tensors),
+            "tensor_count": len(checkpoint.tensors),
             "weight_version": servers.weight_version,
             "metas_file": opts.save_metas_file,
             "wall_s": round(wall, 4),
