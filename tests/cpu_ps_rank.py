@@ -60,6 +60,17 @@ class CpuParameterServerSession:
         for f in files:
             os.remove(f)
 
+    def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
+        """What the real session hashes for --verify: the bytes each tensor was registered with."""
+        if name in self.buffers:
+            from ckptctl.pipeline.parameter_server import buffer_views
+
+            return buffer_views(self.buffers[name])
+        return [
+            (n, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            for n, t in self.registered.get(name, {}).items()
+        ]
+
     def ensure_group(self) -> float | None:
         return None  # no process group to build here
 

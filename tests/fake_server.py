@@ -6,6 +6,8 @@
 - `/health` 503 while waiting for weights, 200 after.
 - `/model_info` (0.5.9+), `/get_weight_version` (up to 0.5.20), `/get_model_info`.
 - `POST /update_weights_from_ipc`: 200 `{"success": true, ...}` or 400 `{"success": false, ...}`.
+- `/weights_checker` (0.5.6+): SGLang's weights checker, version by version, over the tensors
+  in `Behaviour.held` (tests/fake_checker.py; what each version answers: WEIGHTS-CHECKER.md).
 - vLLM: `/health` 200 from the start, `POST /collective_rpc` → `{"results": [...]}`.
 
 It can also misbehave: hang (accept, never answer), reset the connection, answer garbage, 5xx,
@@ -29,27 +31,51 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-# Which read-back endpoints each SGLang version has.
+# Which read-back endpoints each SGLang version has; `weights_checker`: the checker's
+# generation (fake_checker.CHECKER_VERSIONS), None where the route does not exist.
 SGLANG_PROFILES: dict[str, dict[str, Any]] = {
     "sglang-0.5.4": {
         "ping_503_before_weights": False,
         "model_info": False,
         "get_weight_version": True,
+        "weights_checker": None,
+    },
+    "sglang-0.5.9": {
+        "ping_503_before_weights": False,
+        "model_info": True,
+        "get_weight_version": True,
+        "weights_checker": "0.5.6",
+    },
+    "sglang-0.5.12": {
+        "ping_503_before_weights": False,
+        "model_info": True,
+        "get_weight_version": True,
+        "weights_checker": "0.5.12",
     },
     "sglang-0.5.14": {
         "ping_503_before_weights": False,
         "model_info": True,
         "get_weight_version": True,
+        "weights_checker": "0.5.13",
     },
     "sglang-0.5.22": {
         "ping_503_before_weights": False,
         "model_info": True,
         "get_weight_version": False,
+        "weights_checker": "0.5.13",
     },
     "sglang-0.5.23": {
         "ping_503_before_weights": True,
         "model_info": True,
         "get_weight_version": False,
+        "weights_checker": "0.5.23",
+    },
+    # Not a release: 0.5.23 plus the compare_checksum of SGLang PR #17009 (closed unmerged).
+    "sglang-pr17009": {
+        "ping_503_before_weights": True,
+        "model_info": True,
+        "get_weight_version": False,
+        "weights_checker": "pr17009",
     },
 }
 PROFILES = (*SGLANG_PROFILES, "vllm")
@@ -83,6 +109,8 @@ class Behaviour:
     # profile, so a test can always inspect and steer the server (see gpu_receiver.py).
     routes: dict[tuple[str, str], RouteHandler] = field(default_factory=dict)
     requests: list[dict[str, Any]] = field(default_factory=list)
+    # What /weights_checker sees (a fake_checker.HeldWeights); an empty one when None.
+    held: Any = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -246,7 +274,26 @@ class _Handler(BaseHTTPRequestHandler):
             )
         if path == "/get_weight_version" and prof["get_weight_version"]:
             return self._send_json(200, {"weight_version": b.weight_version})
+        if path == "/weights_checker":
+            return self._weights_checker(prof, None, method="GET")
         return self._send_json(404, {"detail": "Not Found"})
+
+    def _weights_checker(self, prof: dict[str, Any], doc: Any, *, method: str) -> None:
+        from fake_checker import CHECKER_VERSIONS, HeldWeights, checker_answer
+
+        version = prof["weights_checker"]
+        if version is None:
+            return self._send_json(404, {"detail": "Not Found"})
+        if method == "GET" and not CHECKER_VERSIONS[version]["get"]:
+            return self._send_json(405, {"detail": "Method Not Allowed"})
+        b: Behaviour = self.server.behaviour
+        if b.held is None:
+            b.held = HeldWeights()
+        try:
+            status, body = checker_answer(version, b.held, doc)
+        except Exception as exc:  # noqa: BLE001 - SGLang's scheduler reports it the same way
+            status, body = 400, {"success": False, "message": f"{exc}"}
+        return self._send_json(status, body)
 
     def _send_raw(self, status: int, body: bytes) -> None:
         self.send_response(status)
@@ -286,6 +333,8 @@ class _Handler(BaseHTTPRequestHandler):
                     },
                 )
             return self._apply_update(doc["zmq_handles"], doc, vllm=False)
+        if b.profile != "vllm" and path == "/weights_checker":
+            return self._weights_checker(SGLANG_PROFILES[b.profile], doc, method="POST")
         return self._send_json(404, {"detail": "Not Found"})
 
     def _apply_update(self, handles: dict[str, str], doc: dict[str, Any], *, vllm: bool) -> None:

@@ -338,6 +338,7 @@ def test_update_help_groups_its_flags_and_shows_examples(
         "Checkpoint",
         "Inference server",
         "Transfer",
+        "Verifying what the server holds",
         "Dry run (no GPU, no server, no torchrun)",
         "Output",
     ]

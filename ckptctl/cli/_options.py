@@ -31,6 +31,7 @@ DRY_RUN = "Dry run (no GPU, no server, no torchrun)"
 SERVE_JOB = "Serve job"
 WAITING = "Waiting"
 OUTPUT = "Output"
+VERIFY = "Verifying what the server holds"
 
 FLAG = ""  # the metavar of an on/off flag: nothing (Typer would show <bool>)
 
@@ -332,5 +333,43 @@ ControlSocketOpt = Annotated[
         # (No square brackets: help text is Rich markup, where [..] is a style tag.)
         help="Unix socket of the serve job's control endpoint on this node; by default "
         "/tmp/ckptctl-serve-<uid>.sock.",
+    ),
+]
+
+
+# -- --verify (ckptctl/verify.py) -----------------------------------------------------------------
+
+VerifyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify",
+        metavar=FLAG,
+        rich_help_panel=VERIFY,
+        help="After the update, prove that the servers hold it, through SGLang's weights "
+        "checker: the SHA-256 of every tensor where a server offers compare_checksum, else "
+        "the same per-engine checksum on every server fed (SGLang >= 0.5.12, two or more "
+        "servers). Exit 1 naming the tensors that differ; exit 3, before pushing, where it "
+        "cannot be done.",
+    ),
+]
+VerifyRoundTripOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify-round-trip",
+        metavar=FLAG,
+        rich_help_panel=VERIFY,
+        help="For the first update of a run, into a server started from this same checkpoint: "
+        "snapshot its weights, reset them to random values, update, and have it compare "
+        "(SGLang >= 0.5.12). Needs --reset-served-weights.",
+    ),
+]
+ResetServedWeightsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--reset-served-weights",
+        metavar=FLAG,
+        rich_help_panel=VERIFY,
+        help="Confirm --verify-round-trip: the server serves random weights from the reset "
+        "until the update lands, and keeps them if the update fails.",
     ),
 ]

@@ -23,6 +23,7 @@ from ckptctl.cli._options import (
     TimeoutOpt,
     UdsListOpt,
     VerboseOpt,
+    VerifyOpt,
     WeightVersionOpt,
 )
 from ckptctl.cli._output import Output
@@ -49,6 +50,7 @@ def join_command(
     weight_version: WeightVersionOpt = None,
     timeout: TimeoutOpt = 600,
     api_key: ApiKeyOpt = None,
+    verify: VerifyOpt = False,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -62,8 +64,10 @@ def join_command(
     from ckptctl.cli._job_view import run_job_with_display
     from ckptctl.pipeline.groups import ServerTargets
     from ckptctl.pipeline.metas_jobs import JoinOptions, run_join
+    from ckptctl.verify import requested
 
     out = Output(json_mode=json_output, quiet=quiet)
+    wanted = requested(verify=verify, round_trip=False, reset_confirmed=False, engine=engine.value)
     opts = JoinOptions(
         load_metas_file=str(load_metas_file),
         checkpoint_name=checkpoint_name,
@@ -77,6 +81,7 @@ def join_command(
         ),
         allow_pickle=allow_pickle,
         timeout=timeout,
+        verify=wanted is not None,
         verbose=verbose,
     )
     run_job_with_display(run_join, opts, out)

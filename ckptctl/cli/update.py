@@ -30,11 +30,14 @@ from ckptctl.cli._options import (
     MemFractionOpt,
     QuietOpt,
     RegisterModeOpt,
+    ResetServedWeightsOpt,
     SleepTimeOpt,
     SplitOpt,
     TimeoutOpt,
     UdsListOpt,
     VerboseOpt,
+    VerifyOpt,
+    VerifyRoundTripOpt,
     WeightVersionOpt,
     at_least,
 )
@@ -120,6 +123,9 @@ def update_command(
     mem_fraction: MemFractionOpt = None,
     timeout: TimeoutOpt = 600,
     sleep_time: SleepTimeOpt = 0,
+    verify: VerifyOpt = False,
+    verify_round_trip: VerifyRoundTripOpt = False,
+    reset_served_weights: ResetServedWeightsOpt = False,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -172,6 +178,18 @@ def update_command(
         )
     if load_metas_file is None and checkpoint_path is None:
         raise UsageError("--checkpoint-path is required (or --load-metas-file, to join)")
+    from ckptctl.verify import requested
+
+    verify_how = requested(
+        verify=verify,
+        round_trip=verify_round_trip,
+        reset_confirmed=reset_served_weights,
+        engine=engine.value,
+    )
+    if verify_how is not None and dry_run:
+        raise UsageError("--verify and --verify-round-trip go with an update, not --dry-run")
+    if verify_how == "round-trip" and load_metas_file is not None:
+        raise UsageError("--verify-round-trip goes with an update from files, not a join")
     if load_metas_file is not None:  # the seed script's join mode: `update.py --load-metas-file F`
         from ckptctl.cli.join import join_command
 
@@ -186,6 +204,7 @@ def update_command(
             allow_pickle=allow_pickle,
             timeout=timeout,
             api_key=api_key,
+            verify=verify,
             verbose=verbose,
             json_output=json_output,
             quiet=quiet,
@@ -229,6 +248,7 @@ def update_command(
         bucket_size_gb=bucket_size_gb,
         mem_fraction=mem_fraction,
         register_mode=mode,
+        verify=verify_how,
         verbose=verbose,
     )
     run_job_with_display(run_update, opts, out)

@@ -433,6 +433,12 @@ class ParameterServerSession:
         if self.ps._p2p_store is not None:
             self.ps._register_parameters_to_p2p_store(name)
 
+    def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
+        """(tensor name, its bytes) for every tensor this rank registered as `name`: views of
+        the pinned buffers the update sends from, whichever way they were registered. (A rank
+        whose share is empty registered nothing.)"""
+        return buffer_views(self.ps._memory_pool.get(name, []))
+
     def gather(self, name: str) -> None:
         self.ensure_group()
         self.ps.gather_metas(name)
@@ -529,3 +535,19 @@ class ParameterServerSession:
             return
         del self.ps._memory_pool[name]
         pool.give_back(buffers)
+
+
+def buffer_views(buffers: list[Any]) -> list[tuple[str, memoryview]]:
+    """(name, bytes) of every tensor in checkpoint-engine `MemoryBuffer`s: each buffer holds its
+    metas' tensors back to back, each at an offset rounded up to `aligned_size`."""
+    import math
+
+    out: list[tuple[str, memoryview]] = []
+    for buf in buffers:
+        flat = memoryview(buf.buffer.numpy()).cast("B")
+        offset = 0
+        for meta in buf.metas:
+            nbytes = meta.dtype.itemsize * math.prod(meta.shape)
+            out.append((meta.name, flat[offset : offset + nbytes]))
+            offset += meta.aligned_size
+    return out

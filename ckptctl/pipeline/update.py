@@ -16,6 +16,12 @@ from ckptctl.errors import InvalidInput, UsageError
 from ckptctl.pipeline import stages
 from ckptctl.pipeline.groups import ServerTargets
 from ckptctl.pipeline.job import Job, prepare_environment, run_job
+from ckptctl.pipeline.verification import (
+    check_offers,
+    check_weights,
+    round_trip_reset,
+    start_hashing,
+)
 from ckptctl.progress import Reporter
 
 
@@ -32,6 +38,7 @@ class UpdateOptions:
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
     register_mode: str = "engine"
+    verify: str | None = None  # None | "auto" (--verify) | "round-trip" (--verify-round-trip)
     verbose: bool = False
 
 
@@ -209,10 +216,16 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
         )
         stages.wait_for_server(job, assignment, servers.engine)
+        verification = None
+        if opts.verify:
+            verification = check_offers(job, assignment, round_trip=opts.verify == "round-trip")
+            start_hashing(job, session, opts.checkpoint_name, verification)
         stages.build_group(job, session)
         stages.gather_metas(job, session, opts.checkpoint_name)
         if opts.save_metas_file:
             stages.save_metas(job, session, opts.save_metas_file, opts.checkpoint_name)
+        if verification is not None:
+            round_trip_reset(job, assignment, verification)
         request = stages.ServerRequest(
             assignment,
             servers,
@@ -233,6 +246,10 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
         )
         if servers.weight_version is not None:
             stages.verify_weight_version(job, assignment, servers.engine, servers.weight_version)
+        verified = None
+        if verification is not None:
+            names = {t.name for t in checkpoint.tensors}
+            verified = check_weights(job, assignment, verification, names)
         wall = job.elapsed()
         ranks = job.gather_figures(
             job.figures(
@@ -257,6 +274,8 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             "tensor_count": len(checkpoint.tensors),
             "weight_version": servers.weight_version,
             "metas_file": opts.save_metas_file,
+            "verified": verified["how"] if verified else None,
+            "verification": verified,
             "wall_s": round(wall, 4),
             "ranks": ranks,
         }
