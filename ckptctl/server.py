@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import httpx
 
-from ckptctl.bounded_http import ResponseTooLarge, bounded_client
+from ckptctl.bounded_http import MAX_RESPONSE_BYTES, ResponseTooLarge, bounded_client
 from ckptctl.defaults import API_KEY_ENV, DEFAULT_ENDPOINT
 from ckptctl.errors import redact, register_secret, register_url_secrets
 
@@ -82,11 +82,20 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-def make_client(address: ServerAddress, timeout: float) -> httpx.Client:
+def make_client(
+    address: ServerAddress, timeout: float, *, max_response_bytes: int = MAX_RESPONSE_BYTES
+) -> httpx.Client:
     """An httpx client for `address`: each request ends within `timeout` seconds in all, and
-    reads at most a capped answer (bounded_http.py: the server may trickle or flood)."""
+    reads at most `max_response_bytes` of answer (bounded_http.py: a server may trickle or
+    flood)."""
     headers = {"Authorization": f"Bearer {address.api_key}"} if address.api_key else {}
-    client = bounded_client(address.endpoint, timeout=timeout, uds=address.uds, headers=headers)
+    client = bounded_client(
+        address.endpoint,
+        timeout=timeout,
+        uds=address.uds,
+        headers=headers,
+        max_response_bytes=max_response_bytes,
+    )
     if address.api_key:
         # httpx turns a URL's user:password into Basic auth, replacing the Bearer header: the
         # API key asked for explicitly goes out instead (a no-op Auth keeps the header as set).

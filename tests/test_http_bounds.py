@@ -246,3 +246,17 @@ def test_serve_a_trickling_server_fails_only_that_push(short_tmp: Path) -> None:
             if job.poll() is None:
                 job.kill()
     assert job.returncode == 0, err
+
+
+def test_a_caller_that_expects_more_raises_the_cap() -> None:
+    """The weights checker's checksum answer lists every parameter (about 1 MB for
+    DeepSeek-V3 on TP8): it reads up to its own cap, not the default 1 MiB."""
+    from ckptctl.verify import MAX_ANSWER_BYTES, Checker
+
+    big = {"success": True, "checksums": {f"layers.{i}.w": "0" * 64 for i in range(30_000)}}
+    routes = {("POST", "/weights_checker"): lambda doc: (200, big)}
+    with FakeServer(Behaviour(routes=routes)) as s:
+        answer = _ended(lambda: Checker(ServerAddress(s.endpoint), time.monotonic() + 30).ask("x"))
+    assert MAX_ANSWER_BYTES > MAX_RESPONSE_BYTES
+    assert not isinstance(answer, BaseException), answer
+    assert answer.status == 200 and len(answer.doc["checksums"]) == 30_000
