@@ -26,6 +26,8 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.table import Column
 from rich.text import Text
 
+from ckptctl.errors import redact
+
 
 class ByteCounter:
     """Bytes done so far: added to from any thread, or read from a `source`."""
@@ -154,11 +156,11 @@ class Reporter:
 
     def log(self, message: str) -> None:
         if not self.quiet:
-            self._log(message)
+            self._log(redact(message))
 
     def warn(self, message: str) -> None:
         """Warnings print even with --quiet."""
-        self._log(f"warning: {message}")
+        self._log(redact(f"warning: {message}"))
 
     def counter(self, name: str) -> ByteCounter:
         """The byte counter the next stage called `name` will use: for work that starts
@@ -286,10 +288,10 @@ class RichReporter(Reporter):
 
     def log(self, message: str) -> None:
         if not self.quiet:
-            self.progress.console.print(message, markup=False, highlight=False)
+            self.progress.console.print(redact(message), markup=False, highlight=False)
 
     def warn(self, message: str) -> None:
-        self.progress.console.print(f"warning: {message}", style="yellow", markup=False)
+        self.progress.console.print(redact(f"warning: {message}"), style="yellow", markup=False)
 
     def _started(self, figures: StageFigures) -> None:
         self._fit(self.running_stages())
@@ -302,7 +304,8 @@ class RichReporter(Reporter):
     def _finished(self, figures: StageFigures) -> None:
         self._drop(figures)
         if not self.quiet:
-            self.progress.console.print(Text.assemble(("✓ ", "green"), figures.summary()))
+            summary = redact(figures.summary())
+            self.progress.console.print(Text.assemble(("✓ ", "green"), summary))
 
     def _failed(self, figures: StageFigures) -> None:
         self._drop(figures)

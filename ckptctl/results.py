@@ -24,6 +24,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from ckptctl.errors import redact_doc
+
 _stream: TextIO | None = None  # where the result goes; None: this command prints no JSON
 _written = False
 _kept: dict[str, Any] = {}  # fields for the failure document, should the command fail
@@ -82,7 +84,8 @@ def _emit(doc: dict[str, Any]) -> None:
     global _written
     if _stream is None or _written:
         return
-    _stream.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    # Secrets (an API key a server echoed, a URL's password) never reach the document.
+    _stream.write(json.dumps(redact_doc(doc), separators=(",", ":")) + "\n")
     _stream.flush()
     _written = True
 

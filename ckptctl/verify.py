@@ -128,7 +128,10 @@ class Checker:
 
         try:
             with (
-                make_client(self.address, timeout=left) as client,
+                # (The client's own cap is only the backstop: _read refuses first, and says so.)
+                make_client(
+                    self.address, timeout=left, max_response_bytes=2 * MAX_ANSWER_BYTES
+                ) as client,
                 client.stream("POST", CHECKER_PATH, json={"action": action, **fields}) as response,
             ):
                 body = self._read(response, action)

@@ -123,6 +123,12 @@ class CpuParameterServerSession:
         thread = threading.Thread(target=req_func, args=(paths,))
         thread.start()
         thread.join()
+        leader = getattr(getattr(req_func, "assignment", None), "is_leader", False)
+        if self.rescued is None and leader and not getattr(req_func, "messages", None):
+            # The request failed and nothing rescued the transfer: the real PS stays blocked
+            # on its socket until the watchdog ends the process. Returning instead would race
+            # the watchdog to the finish (a failed push could exit 0).
+            threading.Event().wait()
         if self.rescued is None and self.world > 1:
             # The other ranks learn of a failure through the store (serve's watcher):
             # checkpoint-engine's update returns on every rank together, so wait a little.

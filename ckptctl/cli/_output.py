@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 
 from ckptctl import results
+from ckptctl.errors import redact
 from ckptctl.launch import LaunchInfo, launch_info
 
 
@@ -44,10 +45,10 @@ class Output:
     def log(self, message: str) -> None:
         """A progress or diagnostic line on stderr (silenced by --quiet)."""
         if not self.quiet:
-            self.err.print(f"{self._prefix()}{message}", markup=False)
+            self.err.print(f"{self._prefix()}{redact(message)}", markup=False)
 
     def warn(self, message: str) -> None:
-        self.err.print(f"{self._prefix()}warning: {message}", style="yellow", markup=False)
+        self.err.print(f"{self._prefix()}warning: {redact(message)}", style="yellow", markup=False)
 
     def result(self, doc: dict[str, Any], *, ok: bool = True) -> None:
         """The command's JSON result: exactly one document on stdout, from rank 0, in the

@@ -22,7 +22,11 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.errors import DeadlineExceeded, UsageError
+from ckptctl.errors import DeadlineExceeded, UsageError, redact
+
+# Without a terminal, a line at least this often while nothing changes, so that a log shows
+# the wait is alive (one attempt takes at most --attempt-timeout, so at most that long if more).
+HEARTBEAT_S = 10.0
 
 
 def wait_ready_command(
@@ -83,7 +87,11 @@ def wait_ready_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Wait until the inference server answers (or is healthy, or serves a weight version)."""
+    """Wait until the inference server answers (or is healthy, or serves a weight version).
+
+    A server that answers 404 where SGLang and vLLM answer is neither: that ends the wait at
+    once (exit 1), not at --timeout.
+    """
     from rich.text import Text
 
     from ckptctl.readiness import Prober, wait_ready
@@ -97,6 +105,7 @@ def wait_ready_command(
     out.log(f"waiting up to {timeout:g}s for {address.describe()} to be {goal}")
 
     last_status: list[str] = []
+    last_line_at = [0.0]  # elapsed seconds when the last plain line was written
     status_ctx = (
         out.err.status(Text(f"waiting for {address.describe()}"), spinner="dots")
         if out.interactive
@@ -109,13 +118,20 @@ def wait_ready_command(
             status_ctx.update(  # type: ignore[union-attr]
                 # Text(): what the server says is shown as is, never read as Rich markup.
                 Text(
-                    f"waiting for {address.describe()} to be {goal} · {elapsed:.1f}s · "
-                    f"{attempts} attempts · last: {probe.status}"
+                    redact(
+                        f"waiting for {address.describe()} to be {goal} · {elapsed:.1f}s · "
+                        f"{attempts} attempts · last: {probe.status}"
+                    )
                 )
             )
         elif not last_status or last_status[-1] != probe.status:
-            # Without a terminal: one line per change of state, not one per poll.
+            # Without a terminal: one line per change of state, not one per poll...
             out.log(f"{elapsed:6.1f}s  {probe.status}")
+            last_line_at[0] = elapsed
+        elif elapsed - last_line_at[0] >= HEARTBEAT_S:
+            # ...and one every HEARTBEAT_S while nothing changes.
+            out.log(f"{elapsed:6.1f}s  still waiting ({attempts} attempts): {probe.status}")
+            last_line_at[0] = elapsed
         last_status.append(probe.status)
 
     prober = Prober(address, engine.value, for_.value, weight_version)

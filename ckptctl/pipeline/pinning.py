@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
+from ckptctl.checkpoint.headers import Checkpoint, TensorInfo, open_planned
 from ckptctl.errors import InvalidInput, OperationFailed
 
 if TYPE_CHECKING:
@@ -89,7 +89,9 @@ def fill(
         for bucket in buckets:
             for t, _ in bucket.placed:
                 if t.file not in fds:
-                    fds[t.file] = os.open(checkpoint.path_of(t.file), os.O_RDONLY)
+                    # Still the file that was planned (else exit 3); a cut during the reads
+                    # is caught below as a short read.
+                    fds[t.file] = open_planned(checkpoint, t.file)
         # Writable byte views of the buffers: preadv fills them without an intermediate copy.
         views = [memoryview(np.asarray(b.numpy())) for b in buffers]  # type: ignore[arg-type]
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
+from ckptctl.pipeline.coordination import PAST_DEADLINE_S
 from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
 from ckptctl.progress import Reporter, format_bytes
@@ -23,6 +24,8 @@ from ckptctl.server import ServerAddress
 # After the server says "done", the IPC transfer must finish within this many seconds: SGLang
 # and vLLM answer only once their workers have loaded every bucket.
 AFTER_ANSWER_GRACE_S = 15.0
+# Each request of the weight-version read-back, in all (a server that trickles cannot stretch it).
+READ_BACK_TIMEOUT_S = 10.0
 
 
 def plan_share(job: Job, checkpoint_path: str, split: str) -> tuple[Any, Any, Any]:
@@ -277,7 +280,11 @@ class ServerRequest:
     def _request(self, address: ServerAddress, handles: dict[str, str]) -> None:
         from ckptctl.server import UpdateRefused, describe_failure, push_update
 
-        left = max(self.watchdog.remaining(), 0.1)
+        # The whole exchange ends a little before the job's deadline (PAST_DEADLINE_S, at most
+        # a quarter of what is left): a server that trickles then fails the request on its own
+        # terms, and in `serve` only this push, before the watchdog would end the whole job.
+        remaining = self.watchdog.remaining()
+        left = max(remaining - min(PAST_DEADLINE_S, remaining / 4), 0.1)
         try:
             message = push_update(
                 address, self.engine, handles, weight_version=self.weight_version, timeout=left
@@ -355,13 +362,20 @@ def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, wa
     if not assignment.is_leader:
         return
     from ckptctl.readiness import read_weight_version
-    from ckptctl.server import CONTRACTS, make_client
+    from ckptctl.server import CONTRACTS, describe_failure, make_client
 
     address = assignment.address
     assert address is not None
     with job.reporter.stage("verify", "reading the weight version back") as st:
-        with make_client(address, timeout=10.0) as client:
-            version, status = read_weight_version(client, CONTRACTS[engine])
+        try:
+            with make_client(address, timeout=READ_BACK_TIMEOUT_S) as client:
+                version, status = read_weight_version(client, CONTRACTS[engine])
+        except httpx.HTTPError as exc:
+            error = DeadlineExceeded if isinstance(exc, httpx.TimeoutException) else OperationFailed
+            raise error(
+                f"reading the weight version back from {address.describe()} failed: "
+                f"{describe_failure(exc, address, READ_BACK_TIMEOUT_S)}"
+            ) from None
         if version != want:
             raise OperationFailed(
                 f"{address.describe()} reports {status} after the update, not {want!r}"

@@ -65,9 +65,45 @@ def check_consumable_together(job: Job, plan: Any) -> None:
     job.barrier("consume-checked")
 
 
+SHM = "/dev/shm"
+
+
+def check_in_shm(path: str) -> None:
+    """Refuse (exit 3) a file that --consume-shm-files must not delete: one that is a symbolic
+    link, or does not really live under /dev/shm (a folder on its way there is a symlink to
+    elsewhere: checkpoint-engine would pin and delete the file where it really is), or whose
+    way there someone else could change before checkpoint-engine opens it: the file and every
+    folder below /dev/shm must be ours (folders may be root's)."""
+    drop = "--consume-shm-files deletes the files it pins: drop the flag, or copy the files there"
+    if os.path.islink(path):
+        raise InvalidInput(f"{path}: is a symbolic link, not a file under {SHM}; {drop}")
+    shm = os.path.realpath(SHM)
+    real = os.path.realpath(path)
+    if not real.startswith(shm + "/"):
+        raise InvalidInput(
+            f"{path}: really lives at {real}, outside {SHM} (a folder on the way is a symbolic "
+            f"link); {drop}"
+        )
+    uid = os.getuid()
+    try:
+        if os.lstat(real).st_uid != uid:
+            raise InvalidInput(f"{path}: belongs to another user; {drop}")
+        folder = os.path.dirname(real)
+        while folder != shm:
+            if os.lstat(folder).st_uid not in (uid, 0):
+                raise InvalidInput(
+                    f"{path}: its folder {folder} belongs to another user, who could swap the "
+                    f"file before it is consumed; {drop}"
+                )
+            folder = os.path.dirname(folder)
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot be checked ({exc.strerror or exc})") from None
+
+
 def check_consumable(plan: Any) -> None:
     """Refuse, before any file is consumed, a checkpoint that checkpoint-engine's in-place
-    pinning cannot serve. Every rank checks every rank's share, so all refuse together.
+    pinning cannot serve, or files it must not delete (`check_in_shm`). Every rank checks every
+    rank's share, so all refuse together.
 
     It pins each file's data area as is and asserts the tensors tile it with no gap (a file
     that fails that would be refused halfway, after other files were deleted). The update then
@@ -77,9 +113,11 @@ def check_consumable(plan: Any) -> None:
     a size that is a multiple of that tensor's element size (a 0-dim bf16 before an int64 is
     not).
     """
-    from ckptctl.checkpoint.headers import DTYPE_BITS
+    from ckptctl.checkpoint.headers import DTYPE_BITS, open_planned
 
     checkpoint = plan.checkpoint
+    for file in checkpoint.files:
+        check_in_shm(str(checkpoint.path_of(file)))
     known = _in_place_dtypes()
     for t in checkpoint.tensors:
         if known is not None and t.dtype not in known:
@@ -102,12 +140,14 @@ def check_consumable(plan: Any) -> None:
         in_file[t.file].append(t)
     for file, tensors in in_file.items():
         path = checkpoint.path_of(file)
+        fd = open_planned(checkpoint, file)  # still the file that was planned, else exit 3
         try:
-            with open(path, "rb") as fh:
-                at = 8 + int.from_bytes(fh.read(8), "little")  # where the data area starts
-            size = os.path.getsize(path)
+            at = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")  # where the data area starts
+            size = os.fstat(fd).st_size
         except OSError as exc:
             raise InvalidInput(f"{path}: cannot be read ({exc.strerror or exc})") from None
+        finally:
+            os.close(fd)
         for t in tensors:
             if t.start != at:
                 raise InvalidInput(
