@@ -124,10 +124,12 @@ class CpuParameterServerSession:
         thread.start()
         thread.join()
         leader = getattr(getattr(req_func, "assignment", None), "is_leader", False)
-        if self.rescued is None and leader and not getattr(req_func, "messages", None):
+        failed = leader and not getattr(req_func, "messages", None)
+        if self.rescued is None and failed and not self.connected:
             # The request failed and nothing rescued the transfer: the real PS stays blocked
             # on its socket until the watchdog ends the process. Returning instead would race
-            # the watchdog to the finish (a failed push could exit 0).
+            # the watchdog to the finish (a failed push could exit 0). (Where the workers
+            # connected, their error reply ends the transfer: checkpoint-engine's error path.)
             threading.Event().wait()
         if self.rescued is None and self.world > 1:
             # The other ranks learn of a failure through the store (serve's watcher):

@@ -40,42 +40,46 @@ from ckptctl.cli._output import Output
 from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed, UsageError
 
-# The clients' flags: which serve job on this node to talk to.
-JobSocketOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--control-socket",
-        metavar="PATH",
-        envvar=CONTROL_SOCKET_ENV,
+
+def _which_job(name: str, metavar: str, envvar: str, help: str) -> Any:
+    """A client's flag that says which serve job on this node to talk to."""
+    return typer.Option(
+        name,
+        metavar=metavar,
+        envvar=envvar,
         show_envvar=True,
         show_default=False,
         rich_help_panel=SERVE_JOB,
-        help="The serve job's control socket. Default: that of the job feeding --endpoint, "
-        "or your only serve job on this node.",
+        help=help,
+    )
+
+
+JobSocketOpt = Annotated[
+    str | None,
+    _which_job(
+        "--control-socket",
+        "PATH",
+        CONTROL_SOCKET_ENV,
+        "The serve job's control socket. Default: that of the job feeding --endpoint, or "
+        "your only serve job on this node.",
     ),
 ]
 FindEndpointOpt = Annotated[
     list[str] | None,
-    typer.Option(
+    _which_job(
         "--endpoint",
-        metavar="URL",
-        envvar=ENDPOINT_ENV,
-        show_envvar=True,
-        show_default=False,
-        rich_help_panel=SERVE_JOB,
-        help="Talk to the serve job that feeds this server (where several run here).",
+        "URL",
+        ENDPOINT_ENV,
+        "Talk to the serve job that feeds this server (where several run here).",
     ),
 ]
 FindUdsOpt = Annotated[
     list[str] | None,
-    typer.Option(
+    _which_job(
         "--uds",
-        metavar="PATH",
-        envvar=UDS_ENV,
-        show_envvar=True,
-        show_default=False,
-        rich_help_panel=SERVE_JOB,
-        help="Talk to the serve job that feeds the server on this Unix socket.",
+        "PATH",
+        UDS_ENV,
+        "Talk to the serve job that feeds the server on this Unix socket.",
     ),
 ]
 WaitOpt = Annotated[
