@@ -222,8 +222,6 @@ def test_a_push_failing_in_bucket_1_is_partial_and_the_next_push_makes_it_whole(
     and loaded bucket 0), so the server holds a mix. The push fails (exit 1) saying so, its JSON
     and `status` say "partial", the job keeps serving, and the next push of the same checkpoint
     is bit-exact and `status` says "whole" again."""
-    from ckptctl.pipeline.job import bucket_size_env
-
     ckpts = [_checkpoint(tmp_path / f"ck{i}", seed=20 + i) for i in range(2)]
     sock = str(short_tmp / "serve.sock")
     with ReceiverServer(ckpts[0], [0]) as rx:
@@ -240,17 +238,15 @@ def test_a_push_failing_in_bucket_1_is_partial_and_the_next_push_makes_it_whole(
                 rx.endpoint,
                 "--push-timeout",
                 "120",
+                # 1 MiB buckets: the 1 MiB tensors of _checkpoint take several.
+                "--bucket-size-gb",
+                "0.001",
                 nproc=1,
             ),  # fmt: skip
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            # 1 MiB buckets: the 1 MiB tensors of _checkpoint take several.
-            env={
-                **os.environ,
-                "NCCL_NVLS_ENABLE": "0",
-                "PS_MAX_BUCKET_SIZE_GB": bucket_size_env(0.001),
-            },
+            env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
         )
 
         def push(ck: Path, version: str) -> subprocess.CompletedProcess[str]:
