@@ -35,17 +35,30 @@ GiB = 1 << 30
 # -- the checkpoint ----------------------------------------------------------------------------
 
 
+# name: (tensor specs, shard size). Qwen3 in HF's 4 GiB shards; the DeepSeek-V3 layout at small
+# widths in 53 MB shards, 56 of them, as many as the real one's per GB is not (issue 16).
+MODELS = {
+    "qwen3-4b": ("qwen3_4b", 4 * GiB),
+    "qwen3-8b": ("qwen3_8b", 4 * GiB),
+    "qwen3-32b": ("qwen3_32b", 4 * GiB),
+    "deepseek-v3-small": ("deepseek_v3_small", 53_000_000),
+}
+
+
 def write_checkpoint(root: Path, model: str, seed: int = 20261129) -> tuple[int, int]:
-    """Write shards of random bytes (made on the GPU, fast) with real headers; (bytes, tensors)."""
+    """Write shards of random bytes (made on the GPU when there is one: fast) with real headers
+    and an index.json; (bytes, tensors)."""
+    import model_shapes
     import torch
     from ckpt_factory import header_bytes, nbytes, shard, shard_names, write_index
-    from model_shapes import qwen3_4b, qwen3_8b
 
-    specs = list({"qwen3-4b": qwen3_4b, "qwen3-8b": qwen3_8b}[model]())
+    specs_of, shard_bytes = MODELS[model]
+    specs = list(getattr(model_shapes, specs_of)())
     root.mkdir(parents=True, exist_ok=True)
-    shards = shard(specs, 4 * GiB)
+    shards = shard(specs, shard_bytes)
     names = shard_names(len(shards))
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
     weight_map: dict[str, str] = {}
     total = 0
     for name, group in zip(names, shards, strict=True):
@@ -65,7 +78,7 @@ def write_checkpoint(root: Path, model: str, seed: int = 20261129) -> tuple[int,
             left = offset
             while left:
                 n = min(left, 512 << 20)
-                chunk = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=gen)
+                chunk = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=gen)
                 fh.write(chunk.cpu().numpy().tobytes())
                 left -= n
         total += offset
