@@ -117,6 +117,17 @@ RegisterModeOpt = Annotated[
         "pinned in place (less host memory; experimental).",
     ),
 ]
+ReadThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--read-threads",
+        min=1,
+        max=256,
+        help="Threads each rank reads its share with (--register-mode direct) "
+        "[default: its CPU cores / ranks on the node, at most 16].",
+        show_default=False,
+    ),
+]
 ConsumeShmOpt = Annotated[
     bool,
     typer.Option(

@@ -13,6 +13,7 @@ from ckptctl.cli._options import (
     CheckpointPathOpt,
     JsonOpt,
     QuietOpt,
+    ReadThreadsOpt,
     RegisterModeOpt,
     SplitOpt,
     TimeoutOpt,
@@ -46,6 +47,7 @@ def save_metas_command(
     ] = None,
     timeout: TimeoutOpt = 600.0,
     register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    read_threads: ReadThreadsOpt = None,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -69,6 +71,7 @@ def save_metas_command(
         sleep_time=sleep_time,
         timeout=timeout,
         register_mode=register_mode.value,
+        read_threads=read_threads,
         verbose=verbose,
     )
     run_job_with_display(run_save_metas, opts, out)

@@ -16,6 +16,7 @@ from ckptctl.cli._options import (
     InferenceParallelSizeOpt,
     JsonOpt,
     QuietOpt,
+    ReadThreadsOpt,
     RegisterModeOpt,
     SplitOpt,
     UdsListOpt,
@@ -51,6 +52,7 @@ def serve_command(
     control_socket: ControlSocketOpt = None,
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    read_threads: ReadThreadsOpt = None,
     push_timeout: Annotated[
         float, typer.Option("--push-timeout", min=1.0, help="Seconds one push may take.")
     ] = 600.0,
@@ -83,6 +85,7 @@ def serve_command(
         control_socket=_socket(control_socket),
         split=split.value,
         register_mode=register_mode.value,
+        read_threads=read_threads,
         push_timeout=push_timeout,
         verbose=verbose,
     )

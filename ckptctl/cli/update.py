@@ -21,6 +21,7 @@ from ckptctl.cli._options import (
     InferenceParallelSizeOpt,
     JsonOpt,
     QuietOpt,
+    ReadThreadsOpt,
     RegisterModeOpt,
     SplitOpt,
     TimeoutOpt,
@@ -132,6 +133,7 @@ def update_command(
         ),
     ] = None,
     register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    read_threads: ReadThreadsOpt = None,
     consume_shm_files: ConsumeShmOpt = False,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
@@ -203,6 +205,7 @@ def update_command(
             bucket_size_gb=bucket_size_gb,
             mem_fraction=mem_fraction,
             register_mode="consume" if consume_shm_files else register_mode.value,
+            read_threads=read_threads,
             verbose=verbose,
         )
         run_job_with_display(run_update, opts, out)

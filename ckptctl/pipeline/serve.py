@@ -275,6 +275,7 @@ class ServeOptions:
     control_socket: str = DEFAULT_CONTROL_SOCKET
     split: str = "auto"
     register_mode: str = "engine"
+    read_threads: int | None = None
     push_timeout: float = 600.0
     verbose: bool = False
 
@@ -360,11 +361,18 @@ def gpu_executor(
             # without p2p nobody reads it from here any more.
             session.unregister(state["registered"], pool)
             state["registered"] = None
-        reader = stages.prefetch_share(checkpoint, share, mode, pool if mode == "direct" else None)
+        reader = stages.prefetch_share(
+            checkpoint,
+            share,
+            mode,
+            pool if mode == "direct" else None,
+            plan=plan,
+            read_threads=opts.read_threads,
+        )
         stages.register_share(job, session, name, checkpoint, share, mode, reader)
         try:
             stages.wait_for_server(job, assignment, opts.servers.engine)
-            stages.gather_metas(job, session, name)
+            stages.gather_metas(job, session, name, reader)
             servers = opts.servers
             if command.get("weight_version") is not None:
                 from dataclasses import replace

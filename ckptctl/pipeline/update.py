@@ -32,6 +32,7 @@ class UpdateOptions:
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
     register_mode: str = "engine"
+    read_threads: int | None = None  # direct registration's reader threads (None: from the cores)
     verbose: bool = False
 
 
@@ -159,18 +160,24 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
     else:
         p2p = "optional" if opts.save_metas_file and missing is None else "off"
 
+    # Planning (and in direct mode reading) starts now, while the job's store is joined and
+    # torch imported.
+    early = stages.EarlyShare(
+        opts.checkpoint_path, split, launch, opts.register_mode, opts.read_threads
+    )
+
     def body(job: Job) -> dict[str, Any]:
-        checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, split)
+        checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, split, early)
         if opts.register_mode == "consume":
             check_consumable_together(job, plan)  # before any rank consumes a file
-        reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
+        reader = early.reader
         session = stages.start_parameter_server(job, p2p=p2p)
         stages.register_share(
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
         )
         stages.wait_for_server(job, assignment, servers.engine)
         stages.build_group(job, session)
-        stages.gather_metas(job, session, opts.checkpoint_name)
+        stages.gather_metas(job, session, opts.checkpoint_name, reader)
         if opts.save_metas_file:
             stages.save_metas(job, session, opts.save_metas_file, opts.checkpoint_name)
         request = stages.ServerRequest(
