@@ -212,14 +212,20 @@ def test_tp1(
         )
         if engine == "sglang":
             args += ["--weight-version", f"v-{layout}-{split}"]
+        threads = 3 if register_mode == "direct" and split == "files" else None
+        if threads:
+            args += ["--read-threads", str(threads)]
         code, out, err, took = _torchrun(1, *args)
         assert code == 0, err[-4000:]
         summary = _summary(out)
         report = _assert_bit_exact(rx, ckpt)
     assert summary["ok"] and summary["split"] in ("files", "tensors")
-    assert summary["ranks"][0]["stages"]["register"]["detail"].startswith(
-        f"{register_mode} registration"
-    )
+    stages = summary["ranks"][0]["stages"]
+    assert stages["register"]["detail"].startswith(f"{register_mode} registration")
+    if register_mode == "direct":  # read early, metas from the plan (stages.EarlyShare)
+        assert "planned in" in stages["split"]["detail"]
+        assert stages["gather_metas"]["detail"] == "planned metas, addresses gathered"
+        assert f"{threads or ''} reader threads" in stages["register"]["detail"]
     if engine == "sglang":
         assert report["weight_version"] == f"v-{layout}-{split}"
         assert "verify" in summary["ranks"][0]["stages"]

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
@@ -74,14 +75,17 @@ def layout(tensors: list[TensorInfo] | tuple[TensorInfo, ...]) -> list[HostBucke
     """Tensors in file order, packed into buckets of max(4 GiB, largest tensor), 256-aligned."""
     if not tensors:
         return []
-    limit = max(MIN_BUCKET, max(aligned(t.nbytes) for t in tensors))
+    ordered = sorted(tensors, key=attrgetter("file", "start"))  # (a plan's are in order already)
+    sizes = [(t.end - t.start + ALIGN - 1) // ALIGN * ALIGN for t in ordered]  # aligned(), inline
+    limit = max(MIN_BUCKET, max(sizes))
     buckets = [HostBucket()]
-    for t in sorted(tensors, key=lambda t: (t.file, t.start)):
-        size = aligned(t.nbytes)
-        if buckets[-1].placed and buckets[-1].size + size > limit:
-            buckets.append(HostBucket())
-        buckets[-1].placed.append((t, buckets[-1].size))
-        buckets[-1].size += size
+    bucket = buckets[0]
+    for t, size in zip(ordered, sizes, strict=True):
+        if bucket.placed and bucket.size + size > limit:
+            bucket = HostBucket()
+            buckets.append(bucket)
+        bucket.placed.append((t, bucket.size))
+        bucket.size += size
     return buckets
 
 
@@ -266,30 +270,30 @@ class MetaMaker:
     def __call__(self, bucket: HostBucket) -> list[Any]:
         import torch
 
-        new, setattr_ = object.__new__, object.__setattr__
-        cls, known, fields = self._cls, self._known, self._fields
-        out = []
+        new, set_slot = object.__new__, object.__setattr__
+        cls, known, fields, align = self._cls, self._known, self._fields, ALIGN
+        out: list[Any] = []
+        append = out.append
         for t, _ in bucket.placed:
-            key = (t.dtype, t.shape)
-            layout = known.get(key)
+            layout = known.get((t.dtype, t.shape))
             if layout is None:
                 dtype, shape = self._layout(t)
-                layout = known[key] = (dtype, torch.Size(shape))
+                layout = known[(t.dtype, t.shape)] = (dtype, torch.Size(shape))
             meta = new(cls)
-            setattr_(
+            set_slot(
                 meta,
                 "__dict__",
                 {
                     "name": t.name,
                     "dtype": layout[0],
                     "shape": layout[1],
-                    "aligned_size": aligned(t.end - t.start),
+                    "aligned_size": (t.end - t.start + align - 1) // align * align,
                 },
             )
-            setattr_(meta, "__pydantic_fields_set__", fields)
-            setattr_(meta, "__pydantic_extra__", None)
-            setattr_(meta, "__pydantic_private__", None)
-            out.append(meta)
+            set_slot(meta, "__pydantic_fields_set__", fields)
+            set_slot(meta, "__pydantic_extra__", None)
+            set_slot(meta, "__pydantic_private__", None)
+            append(meta)
         return out
 
 
@@ -323,15 +327,42 @@ def planned_buffers(plan: Any) -> dict[int, list[tuple[int, list[Any]]]]:
 
 
 def pin_in_place(buffer: torch.Tensor) -> None:
-    """cudaHostRegister, as checkpoint-engine's in-place pinning does (it unpins it the same way)."""
+    """cudaHostRegister, as checkpoint-engine's in-place pinning does (it unpins it the same way).
+
+    Called through ctypes, which lets go of the GIL for the call: torch's binding
+    (torch.cuda.cudart()) holds it, and pinning gigabytes takes long enough to stall the
+    rank's main thread (the ParameterServer's start). The symbol is looked up in the process,
+    where torch's CUDA runtime is loaded globally (checkpoint-engine unpins the same way); the
+    flags are 0, which checkpoint-engine's unpinning checks for.
+    """
     import torch
 
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    register = _runtime_function("cudaHostRegister")
+    if register is not None:
+        err = register(buffer.data_ptr(), buffer.numel(), 0)
+    else:
+        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
     if err != 0:
         raise OperationFailed(
             f"cannot pin {buffer.numel()} bytes of host memory (CUDA error {err})"
         )
+
+
+_runtime: dict[str, Any] = {}
+
+
+def _runtime_function(name: str) -> Any:
+    """A CUDA runtime function from the process's global symbols (ctypes releases the GIL
+    while it runs), or None when there is none (no CUDA loaded: the caller falls back)."""
+    if name not in _runtime:
+        try:
+            function = getattr(ctypes.CDLL(None), name)
+        except (AttributeError, OSError):
+            return None
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        _runtime[name] = function
+    return _runtime[name]
 
 
 def unpin(buffer: torch.Tensor) -> None:
