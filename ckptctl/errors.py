@@ -24,6 +24,9 @@ class CkptctlError(Exception):
     """Base class: `str(err)` is the one line the user sees."""
 
     exit_code: ExitCode = ExitCode.FAILED
+    # The traceback of what caused it, as text, where the cause itself must not be kept
+    # (it would hold GPU buffers alive: parameter_server.drop_frames); shown by CKPTCTL_DEBUG.
+    debug_traceback: str | None = None
 
 
 class OperationFailed(CkptctlError):

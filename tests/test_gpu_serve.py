@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 from ckpt_factory import write_real_checkpoint
-from conftest import run_script
+from conftest import run_script, wait_for_path
 from fake_server import torchrun_cmd
 from gpu_receiver import ReceiverServer
 
@@ -123,3 +123,93 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
     if RESULTS:
         with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
             fh.write(json.dumps({"test": "serve: 10 pushes", "push_seconds": seconds}) + "\n")
+
+
+def _wait_for_memory_back(baseline_mib: int, slack_mib: int = 1024, timeout: float = 20) -> int:
+    """GPU 0's used memory once it is back within `slack_mib` of `baseline_mib` (or the last
+    reading when the deadline passes: the caller's assertion then says by how much)."""
+    deadline = time.monotonic() + timeout
+    used = _gpu_memory_used_mib()
+    while used - baseline_mib >= slack_mib and time.monotonic() < deadline:
+        time.sleep(0.5)
+        used = _gpu_memory_used_mib()
+    return used
+
+
+def test_failed_pushes_give_their_gpu_memory_back(tmp_path: Path, short_tmp: Path) -> None:
+    """Issue 13: a refused push kept checkpoint-engine's transfer buffers (24 GiB with the
+    default bucket) alive through its exception. After each kind of failed push the GPU's
+    memory is back within 1 GiB of where it was, and 20 refusals in a row leave it flat."""
+    good = _checkpoint(tmp_path / "good", seed=1)
+    late = tmp_path / "late"  # plans fine, fails when this torch has to represent it
+    late.mkdir()
+    from ckpt_factory import write_raw
+
+    write_raw(
+        late / "model.safetensors",
+        {"w": {"dtype": "F6_E2M3", "shape": [8], "data_offsets": [0, 6]}},
+        data_len=6,
+    )
+    sock = str(short_tmp / "serve.sock")
+    record: dict[str, object] = {"test": "serve: failed pushes give GPU memory back"}
+    with ReceiverServer(good, [0]) as rx:
+        job = subprocess.Popen(
+            torchrun_cmd(
+                "--no-python",
+                "ckptctl",
+                "serve",
+                "--control-socket",
+                sock,
+                "--inference-parallel-size",
+                "1",
+                "--endpoint",
+                rx.endpoint,
+                "--push-timeout",
+                "120",
+                nproc=1,
+            ),  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert wait_for_path(sock, timeout=120), "the serve job never opened its socket"
+
+            def push(path: Path, expect: int) -> None:
+                r = run_script(
+                    "push", "--control-socket", sock, "--checkpoint-path", str(path), timeout=180
+                )
+                assert r.returncode == expect, r.stdout + r.stderr
+
+            push(good, 0)  # the job's steady state: one checkpoint registered and served
+            baseline = _gpu_memory_used_mib()
+            record["baseline_mib"] = baseline
+            rx.set_config(refuse="IPC weight update failed: busy")
+            after_refusals = []
+            for _ in range(20):
+                push(good, 1)
+                after_refusals.append(_wait_for_memory_back(baseline) - baseline)
+            rx.set_config(refuse=None)
+            record["grown_after_each_refusal_mib"] = after_refusals
+            assert max(after_refusals) < 1024, f"GPU memory grew after refusals: {after_refusals}"
+
+            push(late, 3)  # a bad checkpoint found only when registering it
+            grown_late = _wait_for_memory_back(baseline) - baseline
+            record["grown_after_bad_checkpoint_mib"] = grown_late
+            assert grown_late < 1024, f"GPU memory grew by {grown_late} MiB after exit 3"
+
+            rx.set_config(verify_against=str(good))
+            push(good, 0)  # and the job still serves, bit-exact
+            report = rx.report()
+            assert report["ok"], report
+            assert all(not w["mismatches"] and not w["missing"] for w in report["workers"])
+            with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
+                client.post("http://serve/stop")
+            _, err = job.communicate(timeout=60)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert job.returncode == 0, err[-3000:]
+    if RESULTS:
+        with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import signal
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -62,6 +63,8 @@ def handle_errors(func: F) -> F:
             raise
         except CkptctlError as exc:
             if debug_enabled():
+                if exc.debug_traceback:
+                    sys.stderr.write(exc.debug_traceback)
                 traceback.print_exc()
             _fail(exc.exit_code, str(exc))
         except KeyboardInterrupt:

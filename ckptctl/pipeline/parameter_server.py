@@ -16,11 +16,13 @@ This module imports torch and checkpoint-engine; the CLI imports it only inside 
 
 from __future__ import annotations
 
+import gc
 import glob
 import importlib.util
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -273,6 +275,43 @@ def last_line(traceback_text: str) -> str:
     return lines[-1] if lines else "(no message)"
 
 
+def drop_frames(exc: BaseException) -> None:
+    """Let go of the frames a failed update's exception holds.
+
+    checkpoint-engine's `_update_per_bucket` holds its transfer buffers in locals: a 16 GiB
+    double buffer and an 8 GiB host-to-device buffer with the default bucket size. A traceback
+    keeps those frames, and so the buffers, alive for as long as anything keeps the
+    exception (a chained `__cause__`, a variable in a long-lived loop): every refused push of
+    a `serve` job then kept 24 GiB of GPU memory. The caller keeps a text copy of the
+    traceback for CKPTCTL_DEBUG instead.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]
+
+
+def release_transfer_memory() -> None:
+    """Hand a failed update's GPU memory back to the device, for the inference server that
+    shares it. checkpoint-engine empties torch's cache in its own `finally`, while the
+    failing frames still hold the buffers; once `drop_frames` has let go of them, this
+    returns them (and IPC blocks whose last reference is gone) to the driver."""
+    import torch
+
+    gc.collect()  # an exception and its frames can hold each other in a cycle
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+
+
 class ParameterServerSession:
     """One rank's ParameterServer and what we need around it."""
 
@@ -321,8 +360,7 @@ class ParameterServerSession:
             self.ps = ParameterServer(auto_pg=False)
         if p2p == "required" and self.ps._p2p_store is None:
             raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
-        self.sockets: list[ReplyWatchingSocket] = []
-        self._first_socket = 0  # where the current update's sockets start
+        self.sockets: list[ReplyWatchingSocket] = []  # the current update's (one per bind)
         self._wrap_socket_factory()
 
     def _wrap_socket_factory(self) -> None:
@@ -413,20 +451,28 @@ class ParameterServerSession:
         self.ensure_group()
         # Only this update's sockets count: a long-lived job's earlier (failed) pushes left
         # their errors on theirs.
-        self._first_socket = len(self.sockets)
+        self.sockets = []
         # The group is kept after a failure too. A push refused before the workers connected
         # (`rescue`) goes through the same collectives on every rank, so it stays in step; one
         # rank dropping it alone would leave the others waiting on the old one at the next
         # push. A failure that breaks it ends the job (as `update` would) at the next wait.
+        failure: OperationFailed | None = None
         try:
             self.ps.update(name, req_func, ranks=ranks)
-        except Exception as exc:
-            raise self._explain(exc) from exc
-        if self._worker_errors():  # checkpoint-engine dropped this reply: the last bucket failed
-            raise self._explain(None)
+        except Exception as exc:  # noqa: BLE001 - raised again below, as ours
+            failure = self._explain(exc)
+            failure.debug_traceback = "".join(traceback.format_exception(exc))
+            drop_frames(exc)
+        if failure is None and self._worker_errors():
+            failure = self._explain(None)  # checkpoint-engine dropped the last bucket's reply
+        if failure is not None:
+            # Raised here, outside the `except`, so that it carries no chain back to
+            # checkpoint-engine's frames (see `drop_frames`).
+            release_transfer_memory()
+            raise failure
 
     def _worker_errors(self) -> list[str]:
-        return [e for s in self.sockets[self._first_socket :] for e in s.errors]
+        return [e for s in self.sockets for e in s.errors]
 
     def ensure_group(self) -> float | None:
         """The NCCL process group (building since the session started), kept for every

@@ -198,6 +198,21 @@ def start_control_server(
 # -- the loop every rank runs --------------------------------------------------------------------
 
 
+def failed_push(job: Job, exc: Exception) -> dict[str, Any]:
+    """A push's failure as its result, told to every rank, which all give up on it.
+
+    checkpoint-engine raises plain exceptions too (an assert, a pin failure): the push fails
+    with them like with ours. Only the text is kept: the exception's traceback holds the
+    frames of the failed push, and a loop that kept it would keep what they hold (GPU
+    transfer buffers, pinned host buffers) until the next failure (issue 13).
+    """
+    code = exc.exit_code if isinstance(exc, CkptctlError) else ExitCode.FAILED
+    message = str(exc) if isinstance(exc, CkptctlError) else f"{type(exc).__name__}: {exc}"
+    assert job.coordinator is not None
+    job.coordinator.publish_abort(code, message)
+    return {"ok": False, "exit_code": int(code), "error": message}
+
+
 def serve_loop(
     job: Job,
     execute: Executor,
@@ -240,15 +255,7 @@ def serve_loop(
             try:
                 result = {"ok": True, "exit_code": 0, "error": None, **execute(push_job, command)}
             except Exception as exc:  # noqa: BLE001 - one failed push must not end the job
-                # checkpoint-engine raises plain exceptions too (an assert, a pin failure); the
-                # push fails with them like with ours, and every rank gives up on it.
-                err = (
-                    exc
-                    if isinstance(exc, CkptctlError)
-                    else OperationFailed(f"{type(exc).__name__}: {exc}")
-                )
-                push_job.coordinator.publish_abort(err.exit_code, str(err))  # type: ignore[union-attr]
-                result = {"ok": False, "exit_code": int(err.exit_code), "error": str(err)}
+                result = failed_push(push_job, exc)
             job.watchdog.deadline = float("inf")
             result["rank"] = job.launch.rank
             queue.report(seq, result)
