@@ -123,8 +123,8 @@ ReadThreadsOpt = Annotated[
         "--read-threads",
         min=1,
         max=256,
-        help="Threads each rank reads its share with (--register-mode direct) "
-        "[default: its CPU cores / ranks on the node, at most 16].",
+        help="Threads each rank reads its share with (--register-mode direct). "
+        "Default: the CPU cores it may use over the ranks on its node, at most 16.",
         show_default=False,
     ),
 ]
