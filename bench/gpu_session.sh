@@ -5,6 +5,7 @@
 #     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench-8b "$OUT"   # Qwen3-8B update + serve pushes
 #     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench-32b "$OUT"  # Qwen3-32B update (65.5 GB)
 #     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench-dsv3 "$OUT" # DeepSeek-V3 layout, 90k tensors
+#     . tests/gpu_kit.sh && bash bench/gpu_session.sh p2p "$OUT"        # join + p2p over mooncake TCP, ~4 min
 # The whole suite no longer fits one call (it ran past 570 s on 2026-11-29), hence a and b; the
 # benchmarks of issue 16 are three calls, each deleting its checkpoints when done (the machine
 # has 128 GB of disk: one 65 GB checkpoint at a time). `bench` is bench-8b.
@@ -17,6 +18,11 @@
 #            update benchmark as for 8B, then every CPU-side stage on this machine's CPUs
 #            (bench/bench_stages.py: split, read against the page cache's and disk's limits,
 #            metas, checkpoint-engine's per-tensor update work, imports, the early read).
+# p2p:       issue 18 (tests/test_gpu_p2p.py): save-metas holding, join pulling over p2p, update
+#            --update-method p2p|all, a holder gone or killed mid-transfer; on mooncake's TCP
+#            transport (the machines have no RDMA NIC). Needs .whl/p2p/ (tests/README-gpu.md,
+#            "p2p"); tests/p2p_kit.sh sets it up and prints "p2p_kit: BLOCKED: ..." (exit 3) if
+#            it cannot.
 # Results land in the folder given (default bench/results/latest): pytest logs, gpu_tests.jsonl,
 # update-<model>-tp2.{json,md}, serve-qwen3-8b-tp2-direct.{json,md},
 # stages-deepseek-v3-small-cpu.{json,md}, and each run's stderr. Commit what is worth keeping.
@@ -67,8 +73,19 @@ bench-dsv3)
     tail -40 "$out/stages.log"
     rm -rf /tmp/ckptctl-bench/deepseek-v3-small*
     ;;
+p2p)
+    . tests/p2p_kit.sh >"$out/p2p-kit.log" 2>&1
+    kit=$?
+    cat "$out/p2p-kit.log"
+    [ "$kit" -eq 0 ] || exit 3
+    printf '{"test": "p2p: mooncake TCP probe, host memory", "probe": %s}\n' "$P2P_PROBE" \
+        >>"$out/gpu_tests.jsonl"
+    timeout 450 python3 -m pytest -m gpu tests/test_gpu_p2p.py -p no:cacheprovider --timeout 200 \
+        -rfs --tb=short >"$out/pytest-p2p.log" 2>&1
+    tail -15 "$out/pytest-p2p.log"
+    ;;
 *)
-    echo "usage: bench/gpu_session.sh tests-a|tests-b|bench-8b|bench-32b|bench-dsv3 [OUT]" >&2
+    echo "usage: bench/gpu_session.sh tests-a|tests-b|bench-8b|bench-32b|bench-dsv3|p2p [OUT]" >&2
     exit 2
     ;;
 esac

@@ -23,7 +23,9 @@ class CpuParameterServerSession:
     kept as views, `update` hands every rank's fake IPC socket paths to the request function
     in a thread, the way checkpoint-engine does."""
 
-    def __init__(self, *, p2p: str, io_timeout: Any, group_store: Any = None) -> None:
+    def __init__(
+        self, *, p2p: str, io_timeout: Any, group_store: Any = None, on_failure: Any = None
+    ) -> None:
         self.p2p_enabled = False
         self.p2p_error = None
         self.registered: dict[str, dict[str, Any]] = {}

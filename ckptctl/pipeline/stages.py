@@ -166,6 +166,7 @@ def start_parameter_server(job: Job, *, p2p: str) -> Any:
         return ParameterServerSession(
             p2p=p2p,
             io_timeout=job.watchdog.remaining,
+            on_failure=job.watchdog.fail,
             group_store=(
                 job.coordinator.second_connection() if job.coordinator is not None else None
             ),
