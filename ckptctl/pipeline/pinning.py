@@ -5,11 +5,18 @@ copies every tensor into them from wherever the tensors live - for us, views of 
 mapping. Each rank then holds the data twice while it registers (the mapped page-cache pages
 count in its RSS, and the pinned copy), and the copy runs at memcpy speed out of page faults.
 
-Here each tensor is read with `pread` straight into its place in a buffer that is then pinned
-in place with `cudaHostRegister`, and the buffers are handed to the ParameterServer in the shape
-its `register_checkpoint` would have made (`MemoryBuffer(buffer, size, metas,
+Here each tensor is read straight into its place in a buffer that is then pinned in place with
+`cudaHostRegister`, and the buffers are handed to the ParameterServer in the shape its
+`register_checkpoint` would have made (`MemoryBuffer(buffer, size, metas,
 manually_pinned=True)`, 256-byte aligned tensors), so gather, update and unregister work as
 before. Files are opened read-only; nothing is ever written to them.
+
+The reading is built for the machine's limit (34 GB/s from the page cache with 16 threads on
+the H200 node, one thread 5.4) and for 90k-tensor checkpoints: neighbouring tensors are one
+`os.preadv` (`read_runs`: a buffer per tensor skips the padding), several threads take the
+runs, the buffers are fresh anonymous memory on huge pages, and nothing per tensor holds the
+GIL longer than a slice, so the rank's main thread (the ParameterServer's start, `import
+torch`) runs meanwhile. No torch is needed until the bytes are in.
 
 The layout differs in one way: tensors are placed in file order (not name order), so that the
 reads run through each file front to back. checkpoint-engine only needs each buffer's metas in
