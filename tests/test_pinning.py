@@ -393,3 +393,37 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_fresh_memory_is_populated_run_by_run_and_a_kernel_without_it_is_skipped(
+    tmp_path: Path,
+) -> None:
+    """Each run's destination is faulted in with one call before it is read into
+    (MADV_POPULATE_WRITE), not a page at a time inside the copy. Where madvise refuses it, the
+    read goes on without."""
+    checkpoint = read_checkpoint(_many_small(tmp_path / "ck", count=200))
+    buckets = pinning.layout(checkpoint.tensors)
+    runs = pinning.read_runs(buckets)
+    memory = [pinning.anonymous_memory(b.size) for b in buckets]
+    targets = [memoryview(m)[: b.size] for m, b in zip(memory, buckets, strict=True)]
+    populate = pinning._Populate(targets)
+    calls: list[tuple[int, int, int]] = []
+    real = populate._madvise
+    populate._madvise = lambda start, size, advice: (
+        calls.append((start, size, advice)) or (real(start, size, advice) if real else 0)
+    )
+    populate(runs[0])
+    (start, size, advice), first, (last, n) = calls[0], runs[0].pieces[0][0], runs[0].pieces[-1]
+    base = populate._bases[runs[0].bucket]
+    assert advice == pinning.MADV_POPULATE_WRITE and start % pinning.PAGE == 0
+    assert start <= base + first and start + size == base + last + n
+    populate._madvise = lambda *args: -1  # EINVAL: a kernel before 5.14
+    populate(runs[1])
+    assert populate._madvise is None
+    pinning.fill(checkpoint, buckets, targets, 2, fresh=True)  # and the bytes are right
+    expected = {}
+    for f in checkpoint.files:
+        expected |= load_file(str(checkpoint.path_of(f)))
+    for t, off in buckets[0].placed:
+        want = expected[t.name].reshape(-1).view(torch.uint8)
+        assert bytes(memory[0][off : off + t.nbytes]) == bytes(want.numpy()), t.name
