@@ -33,7 +33,6 @@ import mmap
 import os
 import pickle
 import platform
-import statistics
 import subprocess
 import sys
 import threading
@@ -45,16 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 
+from bench_plan import timed  # noqa: E402
+
 CHUNK = 64 << 20
-
-
-def timed(fn: Any, repeat: int) -> tuple[dict[str, float], Any]:
-    times, result = [], None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return {"best_s": round(min(times), 4), "median_s": round(statistics.median(times), 4)}, result
 
 
 # -- reading -------------------------------------------------------------------------------------
