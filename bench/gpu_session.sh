@@ -6,6 +6,9 @@
 #     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench-32b "$OUT"  # Qwen3-32B update (65.5 GB)
 #     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench-dsv3 "$OUT" # DeepSeek-V3 layout, 90k tensors
 #     . tests/gpu_kit.sh && bash bench/gpu_session.sh p2p "$OUT"        # join + p2p over mooncake TCP, ~4 min
+#     . tests/gpu_kit.sh && bash bench/gpu_session.sh verify "$OUT"     # --verify: tests/test_gpu_verify.py
+#     . tests/gpu_kit.sh && bash bench/gpu_session.sh verify-bench "$OUT"       # Qwen3-8B TP2
+#     . tests/gpu_kit.sh && bash bench/gpu_session.sh verify-bench-dsv3 "$OUT"  # DeepSeek-V3, 5 layers
 # The whole suite no longer fits one call (it ran past 570 s on 2026-11-29), hence a and b; the
 # benchmarks of issue 16 are three calls, each deleting its checkpoints when done (the machine
 # has 128 GB of disk: one 65 GB checkpoint at a time). `bench` is bench-8b.
@@ -41,8 +44,20 @@ case "$what" in
 tests-a | tests-b)
     if [ "$what" = tests-a ]; then select="$happy"; else select="not ($happy)"; fi
     timeout 570 python3 -m pytest -m gpu tests/ -k "$select" -p no:cacheprovider --timeout 120 \
-        -rf --tb=short >"$out/pytest-$what.log" 2>&1
+        --ignore tests/test_gpu_verify.py -rf --tb=short >"$out/pytest-$what.log" 2>&1
     tail -3 "$out/pytest-$what.log"
+    ;;
+verify)
+    timeout 570 python3 -m pytest -m gpu tests/test_gpu_verify.py -p no:cacheprovider \
+        --timeout 240 -rf --tb=short >"$out/pytest-verify.log" 2>&1
+    tail -3 "$out/pytest-verify.log"
+    ;;
+verify-bench | verify-bench-dsv3)
+    model=(--model qwen3-8b)
+    if [ "$what" = verify-bench-dsv3 ]; then model=(--model deepseek-v3 --layers 5); fi
+    timeout 570 python3 bench/bench_verify.py gpu "${model[@]}" --tp 2 --out "$out" \
+        >"$out/$what.log" 2>&1
+    tail -14 "$out/$what.log"
     ;;
 bench | bench-8b)
     # The seed script side by side when a copy is carried in .seed/ (tests/README-gpu.md).
@@ -85,7 +100,7 @@ p2p)
     tail -15 "$out/pytest-p2p.log"
     ;;
 *)
-    echo "usage: bench/gpu_session.sh tests-a|tests-b|bench-8b|bench-32b|bench-dsv3|p2p [OUT]" >&2
+    echo "usage: bench/gpu_session.sh tests-a|tests-b|bench-8b|bench-32b|bench-dsv3|p2p|verify|verify-bench[-dsv3] [OUT]" >&2
     exit 2
     ;;
 esac

@@ -60,6 +60,17 @@ class CpuParameterServerSession:
         for f in files:
             os.remove(f)
 
+    def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
+        """What the real session hashes for --verify: the bytes each tensor was registered with."""
+        if name in self.buffers:
+            from ckptctl.pipeline.parameter_server import buffer_views
+
+            return buffer_views(self.buffers[name])
+        return [
+            (n, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            for n, t in self.registered.get(name, {}).items()
+        ]
+
     def ensure_group(self) -> float | None:
         return None  # no process group to build here
 
@@ -95,6 +106,12 @@ class CpuParameterServerSession:
         thread = threading.Thread(target=req_func, args=(paths,))
         thread.start()
         thread.join()
+        leader = getattr(getattr(req_func, "assignment", None), "is_leader", False)
+        if self.rescued is None and leader and not getattr(req_func, "messages", None):
+            # The request failed and nothing rescued the transfer: the real PS stays blocked
+            # on its socket until the watchdog ends the process. Returning instead would race
+            # the watchdog to the finish (a failed push could exit 0).
+            threading.Event().wait()
         if self.rescued is None and self.world > 1:
             # The other ranks learn of a failure through the store (serve's watcher):
             # checkpoint-engine's update returns on every rank together, so wait a little.

@@ -23,6 +23,7 @@ import contextlib
 import gc
 import glob
 import importlib.util
+import math
 import os
 import sys
 import threading
@@ -87,11 +88,16 @@ def _hint(exc: Exception, p2p: str) -> str:
 class ReplyWatchingSocket:
     """A stand-in for the PS's zmq REQ socket that keeps every non-empty (error) reply."""
 
-    def __init__(self, socket: Any, timeout_ms: int) -> None:
+    def __init__(
+        self, socket: Any, timeout_ms: int, on_bucket: Callable[[int], None] | None = None
+    ) -> None:
         import zmq
 
         self._socket = socket
         self.errors: list[str] = []
+        # Progress: called with a bucket's bytes once the worker's reply says it has loaded it.
+        self.on_bucket = on_bucket
+        self._bucket_in_flight = 0
         self._nones_sent = 0
         self.handle: Any = None  # the first message: the CUDA IPC handle of the PS's buffer
         self._replies = 0
@@ -111,6 +117,8 @@ class ReplyWatchingSocket:
             self._nones_sent += 1
         elif self.handle is None:
             self.handle = obj
+        elif isinstance(obj, list):  # a bucket's metas: [{name, dtype, shape, offset}, ...]
+            self._bucket_in_flight = bucket_bytes(obj)
         sent = self._socket.send_pyobj(obj, *args, **kwargs)
         self.handle_sent.set()
         return sent
@@ -118,6 +126,9 @@ class ReplyWatchingSocket:
     def recv(self, *args: Any, **kwargs: Any) -> bytes:
         reply = self._socket.recv(*args, **kwargs)
         self._replies += 1
+        if self._bucket_in_flight and reply == b"" and self.on_bucket is not None:
+            self.on_bucket(self._bucket_in_flight)
+        self._bucket_in_flight = 0
         if reply != b"":
             self.errors.append(reply.decode("utf-8", errors="replace"))
             if self._replies == 1 and reply.startswith(RESCUE_PREFIX.encode()):
@@ -160,6 +171,18 @@ class ReplyWatchingSocket:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._socket, name)
+
+
+def bucket_bytes(metas: list[Any]) -> int:
+    """The bytes of the tensors a bucket's metas name (dtype × shape; 0 for what is not such a
+    list): what the worker copies out of the IPC buffer for it."""
+    total = 0
+    for meta in metas:
+        try:
+            total += math.prod(meta["shape"]) * meta["dtype"].itemsize
+        except (KeyError, TypeError, AttributeError):
+            continue
+    return total
 
 
 def watch_p2p_reads(store: Any, on_failed_read: Callable[[str], None]) -> None:
@@ -400,9 +423,11 @@ class ParameterServerSession:
         import torch
 
         if not torch.cuda.is_available():
+            # (Every GPU command comes here - update, save-metas, join, serve: only `update`
+            # has a --dry-run, so the hint names the command.)
             raise OperationFailed(
-                "no CUDA device: update needs one GPU per rank "
-                "(use --dry-run to plan a split without a GPU)"
+                "no CUDA device: every rank needs one GPU (check CUDA_VISIBLE_DEVICES); "
+                "`ckptctl update --dry-run` plans a split without one"
             )
         from ckptctl.pipeline.process_group import BackgroundProcessGroup, local_device_index
 
@@ -435,10 +460,16 @@ class ParameterServerSession:
         if p2p == "required" and self.ps._p2p_store is None:
             raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
         self.sockets: list[ReplyWatchingSocket] = []  # the current update's (one per bind)
+        # Set by the update stage: called with each bucket's bytes once the worker loaded it.
+        self.on_bucket_loaded: Callable[[int], None] | None = None
         self._wrap_socket_factory()
         self._on_failure = on_failure
         if self.ps._p2p_store is not None:
             watch_p2p_reads(self.ps._p2p_store, self._p2p_read_failed)
+
+    def _bucket_loaded(self, nbytes: int) -> None:
+        if self.on_bucket_loaded is not None:
+            self.on_bucket_loaded(nbytes)
 
     def _wrap_socket_factory(self) -> None:
         bind = getattr(self.ps, "_bind_zmq_socket", None)
@@ -452,7 +483,7 @@ class ParameterServerSession:
             socket, paths = bind()
             # Past the deadline (they raced on 2x H200: exit 1 instead of the watchdog's 4).
             timeout_ms = max(int((self._io_timeout() + PAST_DEADLINE_S) * 1000), 1)
-            watched = ReplyWatchingSocket(socket, timeout_ms)
+            watched = ReplyWatchingSocket(socket, timeout_ms, on_bucket=self._bucket_loaded)
             self.sockets.append(watched)
             return watched, paths
 
@@ -494,6 +525,12 @@ class ParameterServerSession:
         pool[name] = buffers
         if self.ps._p2p_store is not None:
             self.ps._register_parameters_to_p2p_store(name)
+
+    def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
+        """(tensor name, its bytes) for every tensor this rank registered as `name`: views of
+        the pinned buffers the update sends from, whichever way they were registered. (A rank
+        whose share is empty registered nothing.)"""
+        return buffer_views(self.ps._memory_pool.get(name, []))
 
     def gather(self, name: str) -> None:
         self.ensure_group()
@@ -600,3 +637,19 @@ class ParameterServerSession:
             return
         del self.ps._memory_pool[name]
         pool.give_back(buffers)
+
+
+def buffer_views(buffers: list[Any]) -> list[tuple[str, memoryview]]:
+    """(name, bytes) of every tensor in checkpoint-engine `MemoryBuffer`s: each buffer holds its
+    metas' tensors back to back, each at an offset rounded up to `aligned_size`."""
+    import math
+
+    out: list[tuple[str, memoryview]] = []
+    for buf in buffers:
+        flat = memoryview(buf.buffer.numpy()).cast("B")
+        offset = 0
+        for meta in buf.metas:
+            nbytes = meta.dtype.itemsize * math.prod(meta.shape)
+            out.append((meta.name, flat[offset : offset + nbytes]))
+            offset += meta.aligned_size
+    return out

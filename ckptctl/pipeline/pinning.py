@@ -33,12 +33,12 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
-from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
+from ckptctl.checkpoint.headers import Checkpoint, TensorInfo, open_planned
 from ckptctl.errors import InvalidInput, OperationFailed
 
 if TYPE_CHECKING:
@@ -153,6 +153,7 @@ def fill(
     runs: list[ReadRun] | None = None,
     *,
     fresh: bool = False,
+    on_read: Callable[[int], None] | None = None,
 ) -> None:
     """Read every tensor into its place; `targets` are writable byte views of the buckets.
 
@@ -167,7 +168,9 @@ def fill(
     fds: dict[str, int] = {}
     try:
         for name in dict.fromkeys(r.file for r in runs):
-            fds[name] = os.open(checkpoint.path_of(name), os.O_RDONLY | os.O_CLOEXEC)
+            # Still the file that was planned (else exit 3); a cut during the reads is caught
+            # below as a short read.
+            fds[name] = open_planned(checkpoint, name)
         taken = itertools.count()  # next() is atomic: each run is read by exactly one thread
         failed: list[BaseException] = []
 
@@ -181,6 +184,8 @@ def fill(
                     if populate is not None:
                         populate(run)
                     _read_run(fds[run.file], [target[a : a + n] for a, n in run.pieces], run.pos)
+                    if on_read is not None:
+                        on_read(run.nbytes)
             except _Truncated as exc:
                 failed.append(_ends_early(checkpoint, buckets, runs[i], exc.pos))
             except BaseException as exc:  # noqa: BLE001 - raised on the calling thread below
@@ -493,13 +498,16 @@ class ShareReader:
         pin: bool,
         plan: Any = None,
         rank: int = 0,
+        on_read: Callable[[int], None] | None = None,
     ) -> None:
         """pin: pin the buffers in place once read (needs CUDA; False for a CPU-only read).
         plan, rank: the job's plan and this rank's place in it: then every rank's metas are
-        also worked out in the background, for `ParameterServerSession.gather_planned`."""
+        also worked out in the background, for `ParameterServerSession.gather_planned`.
+        on_read(n): called with the bytes of every read, from the reading threads (progress)."""
         self.buckets = layout(tensors)
         self._pool = pool
         self._pin = pin
+        self._on_read = on_read
         self.threads = read_threads(threads)
         self._buffers: list[torch.Tensor] = []
         if pool is None:
@@ -541,7 +549,14 @@ class ShareReader:
         return not self._thread.is_alive()
 
     def _read_and_pin(self, checkpoint: Checkpoint) -> None:
-        fill(checkpoint, self.buckets, self._targets, self.threads, fresh=self._pool is None)
+        fill(
+            checkpoint,
+            self.buckets,
+            self._targets,
+            self.threads,
+            fresh=self._pool is None,
+            on_read=self._on_read,
+        )
         self._targets = []
         self.read_seconds = time.perf_counter() - self._started
         # From here on torch (if the interpreter is still importing it, this waits for it).
