@@ -45,7 +45,7 @@ def save_metas_command(
     ] = None,
     checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
     split: SplitOpt = SplitChoice.auto,
-    register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
     sleep_time: Annotated[
         float | None,

@@ -51,7 +51,7 @@ def serve_command(
     api_key: ApiKeyOpt = None,
     control_socket: ControlSocketOpt = None,
     split: SplitOpt = SplitChoice.auto,
-    register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
     push_timeout: Annotated[
         float, typer.Option("--push-timeout", min=1.0, help="Seconds one push may take.")
@@ -60,7 +60,7 @@ def serve_command(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Keep a parameter server up on every rank and push checkpoints on command (experimental).
+    """Keep a parameter server up on every rank and push checkpoints on command.
 
     Start it under torchrun like `update`; then, on the node, `ckptctl push --checkpoint-path
     DIR` pushes a checkpoint into the server(s), `ckptctl status` reports, and SIGTERM/SIGINT
@@ -129,7 +129,7 @@ def push_command(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Push a checkpoint through a running `ckptctl serve` job on this node (experimental)."""
+    """Push a checkpoint through a running `ckptctl serve` job on this node."""
     out = Output(json_mode=json_output, quiet=quiet)
     doc = _call(
         _socket(control_socket),
@@ -161,7 +161,7 @@ def status_command(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Show what a running `ckptctl serve` job on this node holds and did last (experimental)."""
+    """Show what a running `ckptctl serve` job on this node holds and did last."""
     out = Output(json_mode=json_output, quiet=quiet)
     doc = _call(_socket(control_socket), "GET", "/status", None, 10.0)
     if json_output:

@@ -81,7 +81,7 @@ def update_command(
     ] = None,
     checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
     split: SplitOpt = SplitChoice.auto,
-    register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
     consume_shm_files: ConsumeShmOpt = False,
     save_metas_file: Annotated[

@@ -30,7 +30,7 @@ class SaveMetasOptions:
     split: str = "auto"
     sleep_time: float | None = None  # None: until SIGTERM/SIGINT
     timeout: float = 600.0
-    register_mode: str = "engine"
+    register_mode: str = "direct"
     read_threads: int | None = None
     verbose: bool = False
 

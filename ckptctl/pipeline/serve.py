@@ -281,7 +281,7 @@ class ServeOptions:
     servers: Any  # ServerTargets
     control_socket: str = DEFAULT_CONTROL_SOCKET
     split: str = "auto"
-    register_mode: str = "engine"
+    register_mode: str = "direct"
     read_threads: int | None = None
     push_timeout: float = 600.0
     verbose: bool = False

@@ -37,7 +37,7 @@ class UpdateOptions:
     timeout: float = 600.0
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
-    register_mode: str = "engine"
+    register_mode: str = "direct"
     read_threads: int | None = None  # direct registration's reader threads (None: from the cores)
     verify: str | None = None  # None | "auto" (--verify) | "round-trip" (--verify-round-trip)
     verbose: bool = False
