@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # What a GPU session checks, in device calls of under 10 minutes each (2x H200):
+#     . tests/gpu_kit.sh && bash bench/gpu_session.sh suite "$OUT"    # every GPU test, 4 at a time
+#     . tests/gpu_kit.sh && bash bench/gpu_session.sh serial "$OUT"   # the gpu_serial ones, alone
 #     . tests/gpu_kit.sh && bash bench/gpu_session.sh tests-a "$OUT"    # update paths + metas, ~5.5 min
 #     . tests/gpu_kit.sh && bash bench/gpu_session.sh tests-b "$OUT"    # failures, serve, receiver, ~5.5 min
 #     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench-8b "$OUT"   # Qwen3-8B update + serve pushes
@@ -41,6 +43,19 @@ happy="test_tp1 or tp2_one_server or two_tp1 or two_torchrun or dev_shm or consu
 seed=()
 if [ -f .seed/update.py ]; then seed=(--seed-script .seed/update.py); fi
 case "$what" in
+suite)
+    # Every GPU test but p2p and the gpu_serial ones, four at a time (2 GPUs, 32 cores: the
+    # tests' servers and ranks fit beside each other), in about half the time of tests-a + b.
+    timeout 560 python3 -m pytest -m "gpu and not gpu_serial" tests/ --ignore tests/test_gpu_p2p.py \
+        -n 4 -p no:cacheprovider --timeout 300 -rf --tb=short >"$out/pytest-suite.log" 2>&1
+    tail -4 "$out/pytest-suite.log"
+    ;;
+serial)
+    # The GPU tests that read the whole GPU (nvidia-smi) or /dev/shm, alone.
+    timeout 330 python3 -m pytest -m "gpu and gpu_serial" tests/ -p no:cacheprovider \
+        --timeout 300 -rf --tb=short >"$out/pytest-serial.log" 2>&1
+    tail -4 "$out/pytest-serial.log"
+    ;;
 tests-a | tests-b)
     if [ "$what" = tests-a ]; then select="$happy"; else select="not ($happy)"; fi
     timeout 570 python3 -m pytest -m gpu tests/ -k "$select" -p no:cacheprovider --timeout 120 \
@@ -100,7 +115,7 @@ p2p)
     tail -15 "$out/pytest-p2p.log"
     ;;
 *)
-    echo "usage: bench/gpu_session.sh tests-a|tests-b|bench-8b|bench-32b|bench-dsv3|p2p|verify|verify-bench[-dsv3] [OUT]" >&2
+    echo "usage: bench/gpu_session.sh suite|serial|tests-a|tests-b|bench-8b|bench-32b|bench-dsv3|p2p|verify|verify-bench[-dsv3] [OUT]" >&2
     exit 2
     ;;
 esac

@@ -18,7 +18,8 @@ from conftest import run_script, wait_for_path
 from fake_server import torchrun_cmd
 from gpu_receiver import ReceiverServer
 
-pytestmark = [pytest.mark.gpu]
+# GPU memory is read for the whole device (nvidia-smi): no other GPU test beside these.
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_serial]
 RESULTS = os.environ.get("CKPTCTL_GPU_RESULTS")
 
 

@@ -242,6 +242,7 @@ def _torch_shm_files() -> set[str]:
 
 
 @needs_two
+@pytest.mark.gpu_serial  # counts torch's files in /dev/shm: none of another test's
 @pytest.mark.parametrize("register_mode", [None, "engine"])
 def test_tp2_one_server(sharded: Path, register_mode: str | None) -> None:
     # The ranks end with os._exit (no NCCL teardown): torch's CUDA IPC ref-counter files
