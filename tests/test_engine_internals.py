@@ -85,6 +85,11 @@ def test_the_models_have_the_fields_we_build_them_with() -> None:
     ps = engine_module("ps").ParameterServer
     assert list(inspect.signature(ps.gather_metas).parameters) == ["self", "checkpoint_name"]
     assert callable(ps._bind_zmq_socket) and callable(ps._register_parameters_to_p2p_store)
+    # unique_socket_counter: the socket names count from `_zmq_addr_counter`, which every
+    # update all-reduces to the ranks' largest before naming anything.
+    assert "self._zmq_addr_counter" in inspect.getsource(ps._bind_zmq_socket)
+    detect = inspect.getsource(ps._detect_bucket_size)
+    assert "-self._zmq_addr_counter" in detect and "ReduceOp.MIN" in detect
 
 
 def test_fast_metas_equal_validated_ones_for_every_dtype(tmp_path: Path) -> None:

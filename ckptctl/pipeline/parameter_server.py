@@ -218,6 +218,23 @@ def watch_p2p_reads(store: Any, on_failed_read: Callable[[str], None]) -> None:
     store.batch_transfer_sync_read = checked_read
 
 
+def unique_socket_counter() -> int:
+    """Where this process's count of checkpoint-engine's zmq sockets starts.
+
+    checkpoint-engine names the socket of every update
+    `ipc://@checkpoint-engine-<GPU uuid>-<count>.sock`, in the host's shared abstract
+    namespace, and counts from 0 in every process: two jobs that update through one GPU at a
+    time (a serve job and an update, a save-metas holder beside a joiner, tests run side by
+    side) bind the same name, and the second fails with EADDRINUSE (seen on 2x H200); the
+    names are also easy to guess for anyone on the host. A random start gives each job names of
+    its own. The ranks still agree: checkpoint-engine all-reduces the largest count before
+    every update (`_detect_bucket_size`), and each rank names every rank's socket with it.
+    """
+    import secrets
+
+    return secrets.randbits(40) << 16  # room for 65536 updates before any overlap
+
+
 def release_ipc_reference(handle: Any) -> bool:
     """Give back the reference a consumer of a CUDA IPC handle would have released.
 
@@ -466,6 +483,7 @@ class ParameterServerSession:
             self.ps = ParameterServer(auto_pg=False)
         if p2p == "required" and self.ps._p2p_store is None:
             raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
+        self.ps._zmq_addr_counter = unique_socket_counter()
         self.sockets: list[ReplyWatchingSocket] = []  # the current update's (one per bind)
         # Set by the update stage: called with each bucket's bytes once the worker loaded it.
         self.on_bucket_loaded: Callable[[int], None] | None = None
