@@ -20,8 +20,12 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/ckptctl update --dry-run --checkpoint-path examples/tiny-checkpoint --world-size 2
 
+# The suite runs in parallel (pytest-xdist). Most of its tests wait on servers, sockets and
+# torchrun jobs rather than compute, so a worker more than the 2 cores of our machines keeps
+# them busy; --dist loadgroup keeps the GPU tests on one worker (tests/conftest.py).
+TEST_WORKERS ?= 3
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy

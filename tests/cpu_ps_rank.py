@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ class CpuParameterServerSession:
     in a thread, the way checkpoint-engine does."""
 
     def __init__(self, *, p2p: str, io_timeout: Any, group_store: Any = None) -> None:
+        self.group_store = group_store  # the job's store (None for one process)
+        self.updates = 0
         self.p2p_enabled = False
         self.p2p_error = None
         self.registered: dict[str, dict[str, Any]] = {}
@@ -78,14 +81,25 @@ class CpuParameterServerSession:
         from ckptctl.errors import OperationFailed
 
         self.rescued: str | None = None
+        self.updates += 1
         paths = [(f"GPU-fake-{r}", f"ipc://@fake-{r}.sock") for r in range(self.world)]
+        sent = len(req_func.messages)
         thread = threading.Thread(target=req_func, args=(paths,))
         thread.start()
         thread.join()
-        if self.rescued is None and self.world > 1:
-            # The other ranks learn of a failure through the store (serve's watcher):
-            # checkpoint-engine's update returns on every rank together, so wait a little.
-            threading.Event().wait(0.5)
+        if self.group_store is not None:
+            # checkpoint-engine's update is collective: it returns on every rank together, once
+            # the leader's server has taken the weights, or fails on every rank. A rank here
+            # marks its part done (a leader only when its server said yes) and waits for all:
+            # a failed leader never marks it, and every rank is ended - by the watchdog (update)
+            # or by the rescue of its transfer (serve) - never left to finish on its own.
+            ok = not req_func.assignment.is_leader or len(req_func.messages) > sent
+            key = f"cpu-ps/{name}/{self.updates}"
+            if ok and self.rescued is None:
+                self.group_store.set(f"{key}/{self.rank}", "done")
+            keys = [f"{key}/{r}" for r in range(self.world)]
+            while self.rescued is None and not self.group_store.check(keys):
+                time.sleep(0.02)
         if self.rescued is not None:
             raise OperationFailed(f"checkpoint-engine's update failed: {self.rescued}")
 
@@ -106,8 +120,6 @@ if __name__ == "__main__":
     pinning_module.unpin = lambda buffer: None  # type: ignore[assignment]
     if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ["RANK"]:
         # This rank checks a --consume-shm-files plan late (a slower node, a busy CPU).
-        import time
-
         import ckptctl.pipeline.update as update_module
 
         check = update_module.check_consumable

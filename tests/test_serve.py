@@ -79,7 +79,7 @@ def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
 
         with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
             assert client.post("http://serve/stop").json() == {"ok": True}
-        out, err = job.communicate(timeout=30)
+        out, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
             job.kill()

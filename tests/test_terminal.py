@@ -8,6 +8,7 @@ import pty
 import select
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from conftest import ckptctl_script
@@ -16,8 +17,11 @@ from fake_server import Behaviour, FakeServer
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 
 
-def _run_on_pty(*args: str, timeout: float = 60) -> tuple[int, str, str]:
-    """stderr is a terminal (where Rich draws), stdout a pipe (where results go)."""
+def _run_on_pty(
+    *args: str, timeout: float = 60, on_output: Callable[[str], None] | None = None
+) -> tuple[int, str, str]:
+    """stderr is a terminal (where Rich draws), stdout a pipe (where results go).
+    `on_output` sees the terminal's text so far after every read (to act on what is shown)."""
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "NO_COLOR")}
     proc = subprocess.Popen(
@@ -39,6 +43,8 @@ def _run_on_pty(*args: str, timeout: float = 60) -> tuple[int, str, str]:
             if not data:
                 break
             chunks.append(data)
+            if on_output is not None:
+                on_output(b"".join(chunks).decode(errors="replace"))
         elif proc.poll() is not None:
             break
     os.close(master)
@@ -49,13 +55,12 @@ def _run_on_pty(*args: str, timeout: float = 60) -> tuple[int, str, str]:
 def test_wait_ready_spinner_on_a_terminal() -> None:
     with FakeServer(Behaviour()) as s:
 
-        def later() -> None:
-            time.sleep(1.0)
-            s.behaviour.weights_loaded = True
+        def load_weights_once_the_503_is_shown(shown: str) -> None:
+            # Not after some time: the server turns healthy once the terminal has shown the
+            # live status line with its 503, however slow the machine is.
+            if "attempts" in shown and "HTTP 503" in shown:
+                s.behaviour.weights_loaded = True
 
-        import threading
-
-        threading.Thread(target=later, daemon=True).start()
         code, out, err = _run_on_pty(
             "wait-ready",
             "--endpoint",
@@ -65,12 +70,15 @@ def test_wait_ready_spinner_on_a_terminal() -> None:
             "--interval",
             "0.1",
             "--timeout",
-            "20",
+            "60",
             "--json",
+            on_output=load_weights_once_the_503_is_shown,
         )
+        answers = s.behaviour.statuses("/health")
     assert code == 0, err
     assert '"ready":true' in out.replace(" ", "")  # the result still goes to stdout, alone
     assert "attempts" in err and "HTTP 503" in err  # the live status line
+    assert answers[0] == 503 and answers[-1] == 200
     assert "Traceback" not in err
 
 
