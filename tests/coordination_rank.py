@@ -17,6 +17,12 @@ from ckptctl.launch import launch_info
 from ckptctl.pipeline.coordination import Coordinator, Watchdog
 
 
+def say(line: str) -> None:
+    """One line on stdout in one write: the ranks share the pipe, unbuffered under torchrun, so
+    a print's text and its newline could be split by another rank's line."""
+    os.write(1, (line + "\n").encode())
+
+
 def wait_for_key(coordinator: Coordinator, key: str, timeout_s: float = 60) -> None:
     """Wait until some rank has set `key` in the job's store (an event, not a delay)."""
     deadline = time.monotonic() + timeout_s
@@ -45,7 +51,7 @@ def main(scenario: str) -> None:
         coordinator.publish("figures", {"rank": launch.rank, "pid": os.getpid()})
         if launch.rank == 0:
             docs = coordinator.collect("figures", timeout_s=20)
-            print(json.dumps([d["rank"] for d in docs]), flush=True)
+            say(json.dumps([d["rank"] for d in docs]))
         watchdog.stop()
         return
     if scenario == "plan":
@@ -71,7 +77,7 @@ def main(scenario: str) -> None:
         # (or their watchdogs end them with rank 0's abort).
         coordinator.barrier("plans-checked", timeout_s=60)
         watchdog.stop()
-        print("plans agree", flush=True)
+        say("plans agree")
         return
     if scenario == "barrier":
         # Rank 0 (the group leader waiting for a slow server) arrives late: once every other
@@ -86,7 +92,7 @@ def main(scenario: str) -> None:
             coordinator.store.set("rank-0-arrives", "1")
         coordinator.barrier("servers-up", timeout_s=60)
         late = coordinator.store.check(["rank-0-arrives"])
-        print(f"rank {launch.rank} passed the barrier, rank 0 late: {late}", flush=True)
+        say(f"rank {launch.rank} passed the barrier, rank 0 late: {late}")
         coordinator.barrier("done", timeout_s=60)  # nobody leaves while others still check
         watchdog.stop()
         return
@@ -102,11 +108,11 @@ def main(scenario: str) -> None:
             # Once serve() has taken over the signals: a SIGTERM from now on stops it cleanly.
             while job.watchdog.on_signal is None:
                 time.sleep(0.01)
-            print(f"rank {launch.rank} pid {os.getpid()} serving", flush=True)
+            say(f"rank {launch.rank} pid {os.getpid()} serving")
 
         threading.Thread(target=announce, daemon=True).start()
         ended = serve(job, None)
-        print(f"rank {launch.rank}: {ended}", flush=True)
+        say(f"rank {launch.rank}: {ended}")
         watchdog.stop()
         return
     if scenario in ("fail", "die") and launch.rank == 1:
