@@ -25,7 +25,7 @@ demo: setup
 # them busy; --dist loadgroup keeps the GPU tests on one worker (tests/conftest.py).
 TEST_WORKERS ?= 3
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
