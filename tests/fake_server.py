@@ -443,17 +443,25 @@ def run_torchrun(
     *program: str, nproc: int = 2, timeout: float = 100, **kw: Any
 ) -> subprocess.CompletedProcess[str]:
     """Run `torchrun_cmd(*program)` to the end (output captured as text), once more on a new
-    port if another process took the chosen one before torchrun could bind it."""
+    port if another process took the chosen one before torchrun could bind it. A run that
+    outlasts `timeout` (or the test's own timeout) gets SIGTERM first, which torchrun passes
+    on to its ranks: killed outright, it would leave them running."""
     for attempt in range(3):
-        done = subprocess.run(
-            torchrun_cmd(*program, nproc=nproc),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            **kw,
-        )
-        if "EADDRINUSE" not in done.stderr or attempt == 2:
-            return done
+        cmd = torchrun_cmd(*program, nproc=nproc)
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+        ) as proc:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except BaseException:
+                proc.terminate()
+                try:
+                    proc.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                raise
+        if "EADDRINUSE" not in err or attempt == 2:
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     raise AssertionError("unreachable")
 
 

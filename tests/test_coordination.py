@@ -53,20 +53,28 @@ def test_a_rank_that_dies_silently_ends_the_job() -> None:
     assert "timed out" not in r.stderr  # ended by the death, not by the 60 s deadline
 
 
-def test_nodes_that_see_different_checkpoints_are_stopped_with_exit_3(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def _node_copies(root: Path) -> tuple[Path, Path]:
+    """A checkpoint, and another node's copy of it with a stray file."""
     import torch
     from ckpt_factory import write_real_checkpoint
 
     shards = [{"a": torch.ones(4)}, {"b": torch.zeros(8)}]
-    same = write_real_checkpoint(tmp_path / "node0", shards, index=False)
-    other = write_real_checkpoint(
-        tmp_path / "node1", [*shards, {"stray": torch.ones(2)}], index=False
-    )
+    same = write_real_checkpoint(root / "node0", shards, index=False)
+    other = write_real_checkpoint(root / "node1", [*shards, {"stray": torch.ones(2)}], index=False)
+    return same, other
+
+
+def test_nodes_that_see_different_checkpoints_are_stopped_with_exit_3(tmp_path: Path) -> None:
+    same, other = _node_copies(tmp_path)
     r = _torchrun("plan", 2, str(same), str(other))
     assert r.returncode != 0
     assert "rank 1 (on " in r.stderr and "sees a different checkpoint" in r.stderr
     assert "exitcode  : 3" in r.stderr or "exitcode: 3" in r.stderr.replace("  ", " ")
     assert "plans agree" not in r.stdout
+
+
+def test_nodes_that_see_the_same_checkpoint_go_on(tmp_path: Path) -> None:
+    same, _ = _node_copies(tmp_path)
     agree = _torchrun("plan", 2, str(same), str(same))
     assert agree.returncode == 0, agree.stderr
     assert "plans agree" in agree.stdout

@@ -451,8 +451,15 @@ def test_installed_script_json_and_exit_codes(server: FakeServer) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_exits_130_without_traceback(sig: int, refused_endpoint: str) -> None:
+    # A shell starts a background job with SIGINT ignored, and children inherit that: if the
+    # suite runs in one (`make test &`), Ctrl-C's default comes back for this process only.
+    default_sigint = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
     proc = subprocess.Popen(
-        [ckptctl_script(), "wait-ready", "--endpoint", refused_endpoint, "--timeout", "60"],
+        [sys.executable, "-c", default_sigint, ckptctl_script(), "wait-ready"]
+        + ["--endpoint", refused_endpoint, "--timeout", "60"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
