@@ -1,5 +1,6 @@
 # Two commands set everything up on a fresh machine:
-#   make demo   - create .venv, install ckptctl, show it planning a real checkpoint (no GPU needed)
+#   make demo   - create .venv, install ckptctl; with a GPU, push the example checkpoint into the
+#                 bundled stand-in server (examples/demo.py); without one, show the dry run
 #   make test   - create .venv, install ckptctl with test extras, run the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/ckptctl update --dry-run --checkpoint-path examples/tiny-checkpoint --world-size 2
+	$(BIN)/python examples/demo.py
 
 # The suite runs in parallel (pytest-xdist). Most of its tests wait on servers, sockets and
 # torchrun jobs rather than compute, so a worker more than the 2 cores of our machines keeps

@@ -35,13 +35,17 @@ GiB = 1 << 30
 # -- the checkpoint ----------------------------------------------------------------------------
 
 
-def write_checkpoint(root: Path, model: str, seed: int = 20261129) -> tuple[int, int]:
-    """Write shards of random bytes (made on the GPU, fast) with real headers; (bytes, tensors)."""
+def write_checkpoint(
+    root: Path, model: str, seed: int = 20261129, specs: list[Any] | None = None
+) -> tuple[int, int]:
+    """Write shards of random bytes (made on the GPU, fast) with real headers; (bytes, tensors).
+    `specs` (model_shapes' (name, dtype, shape)) stand in for `model`'s when given."""
     import torch
     from ckpt_factory import header_bytes, nbytes, shard, shard_names, write_index
     from model_shapes import qwen3_4b, qwen3_8b
 
-    specs = list({"qwen3-4b": qwen3_4b, "qwen3-8b": qwen3_8b}[model]())
+    if specs is None:
+        specs = list({"qwen3-4b": qwen3_4b, "qwen3-8b": qwen3_8b}[model]())
     root.mkdir(parents=True, exist_ok=True)
     shards = shard(specs, 4 * GiB)
     names = shard_names(len(shards))

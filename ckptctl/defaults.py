@@ -2,3 +2,8 @@
 
 DEFAULT_ENDPOINT = "http://localhost:19730"  # the seed script's default
 API_KEY_ENV = "CKPTCTL_API_KEY"  # where --api-key is read from when not given
+# Flags that scripts repeat on every call can come from the environment instead (shown in --help).
+ENDPOINT_ENV = "CKPTCTL_ENDPOINT"
+UDS_ENV = "CKPTCTL_UDS"
+ENGINE_ENV = "CKPTCTL_ENGINE"
+CONTROL_SOCKET_ENV = "CKPTCTL_CONTROL_SOCKET"

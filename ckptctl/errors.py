@@ -6,9 +6,13 @@ is a bug and is reported as an internal error (the traceback is shown with CKPTC
 
 from __future__ import annotations
 
+import base64
 import os
+import re
 import sys
 from enum import IntEnum
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 
 class ExitCode(IntEnum):
@@ -49,11 +53,67 @@ class Interrupted(CkptctlError):
     exit_code = ExitCode.INTERRUPTED
 
 
+# -- secrets: registered once, taken out of everything ckptctl prints -----------------------------
+
+REDACTED = "***"
+# Shorter values are taken out only where they are recognisably secrets (the patterns below):
+# replacing every "ab" in a message would garble it.
+MIN_SECRET_CHARS = 4
+_secrets: set[str] = set()
+_PATTERNS = (
+    # A password in a URL: scheme://user:password@host
+    (re.compile(r"(?<=://)([^/@\s:]*):[^/@\s]*@"), rf"\1:{REDACTED}@"),
+    # A credential after its scheme, e.g. a server echoing our Authorization header.
+    (re.compile(r"\b(Bearer|Basic)(\s+)[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE), rf"\1\2{REDACTED}"),
+)
+
+
+def register_secret(value: str | None) -> None:
+    """Never print `value` (an API key, a password): `redact` replaces it wherever it shows."""
+    if value and len(value) >= MIN_SECRET_CHARS:
+        _secrets.add(value)
+
+
+def register_url_secrets(url: str) -> None:
+    """The password of a URL's user info, as written, decoded, and as HTTP Basic auth sends it."""
+    try:
+        parts = urlsplit(url)
+        user, password = parts.username, parts.password
+    except ValueError:
+        return
+    if password:
+        register_secret(password)
+        register_secret(unquote(password))
+        basic = f"{unquote(user or '')}:{unquote(password)}".encode()
+        register_secret(base64.b64encode(basic).decode("ascii"))
+
+
+def redact(text: str) -> str:
+    """`text` without registered secrets, URL passwords or bearer tokens."""
+    for secret in sorted(_secrets, key=len, reverse=True):  # (a copy: safe across threads)
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    for pattern, replacement in _PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def redact_doc(value: Any) -> Any:
+    """A JSON-able document with `redact` applied to every string in it (keys included)."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {redact_doc(k): redact_doc(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_doc(v) for v in value]
+    return value
+
+
 def print_error(message: str, *, label: str = "error") -> None:
     """Write the one error line to stderr, with the rank in front inside a multi-rank job
     (`label="warning"` for a warning from where no reporter is at hand)."""
     world = os.environ.get("WORLD_SIZE", "1")
     prefix = f"[rank {os.environ.get('RANK', '0')}] " if world not in ("", "1") else ""
     # A plain write, not Rich: the error must get out even if Rich itself is the problem.
-    sys.stderr.write(f"{prefix}{label}: {message}\n")
+    sys.stderr.write(f"{prefix}{label}: {redact(message)}\n")
     sys.stderr.flush()

@@ -1,15 +1,60 @@
 """Stage timing and its display: a Rich live view on rank 0's terminal, plain lines elsewhere.
 
 The pipeline only calls `reporter.stage(...)`; which display (if any) is chosen by the CLI.
+A stage that moves bytes says how many (`nbytes`) and counts what is done in its counter:
+`figures.done.add(n)` from any thread, `reporter.counter(name)` for work that starts before
+its stage does (a read that overlaps the parameter server's start-up), or `done.track(f)` for
+a figure that can only be read (how much of the files is mapped). The display decides how to
+draw it: bars with bytes, rate and ETA on a terminal, a line every 10 s in a log, nothing with
+--quiet. A stage marked `node_wide` adds the other ranks of the node (through `reporter.node`,
+which the job sets: pipeline/node_progress.py) - their shares of the checkpoint, read side by
+side on one machine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from rich.console import RenderableType
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn
+from rich.table import Column
+from rich.text import Text
+
+from ckptctl.errors import redact
+
+
+class ByteCounter:
+    """Bytes done so far: added to from any thread, or read from a `source`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+        self._source: Callable[[], int] | None = None
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._value += n
+
+    def track(self, source: Callable[[], int]) -> None:
+        """Read the figure from `source` from now on (it must not raise, and be cheap)."""
+        self._source = source
+
+    @property
+    def value(self) -> int:
+        if self._source is not None:
+            return max(int(self._source()), 0)
+        return self._value
+
+    @property
+    def live(self) -> bool:
+        """Bytes are being counted: until then a display shows no byte figures, only time."""
+        return self._source is not None or self._value > 0
 
 
 @dataclass
@@ -18,6 +63,11 @@ class StageFigures:
     seconds: float = 0.0
     bytes: int | None = None
     detail: str = ""
+    label: str = ""
+    done: ByteCounter = field(default_factory=ByteCounter, repr=False)
+    node_wide: bool = False  # the node's ranks each move their own share: show their sum
+    seq: int = 1  # the n-th stage of this name in this job (a serve job pushes many times)
+    started_at: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
     def gb_per_s(self) -> float | None:
@@ -25,12 +75,24 @@ class StageFigures:
             return None
         return self.bytes / self.seconds / 1e9
 
+    @property
+    def key(self) -> str:
+        """Names this stage the same on every rank (they run the same stages in order)."""
+        return f"{self.name}#{self.seq}"
+
+    def done_bytes(self) -> int:
+        """Bytes done, at most the stage's total (an estimate may overshoot)."""
+        done = self.done.value
+        return min(done, self.bytes) if self.bytes is not None else done
+
     def as_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"seconds": round(self.seconds, 4)}
         if self.bytes is not None:
             doc["bytes"] = self.bytes
             rate = self.gb_per_s
             doc["gb_per_s"] = round(rate, 3) if rate is not None else None
+            if self.done.live:  # what the progress display counted (an estimate for some)
+                doc["bytes_done"] = self.done_bytes()
         if self.detail:
             doc["detail"] = self.detail
         return doc
@@ -38,9 +100,9 @@ class StageFigures:
     def summary(self) -> str:
         text = f"{self.name}: {self.seconds:.2f}s"
         if self.bytes:
-            text += f", {self.bytes / 1e9:.2f} GB"
-            if self.gb_per_s is not None:
-                text += f" ({self.gb_per_s:.1f} GB/s)"
+            text += f", {format_bytes(self.bytes)}"
+            if self.seconds > 0:
+                text += f" ({format_bytes(self.bytes / self.seconds)}/s)"
         if self.detail:
             text += f" - {self.detail}"
         return text
@@ -57,87 +119,282 @@ class StageLog:
         return {s.name: s.as_json() for s in self.stages}
 
 
+class NodeView(Protocol):
+    """The other ranks of this node, as the job sees them (pipeline/node_progress.py)."""
+
+    def others(self, key: str) -> tuple[int, int, int]:
+        """(bytes done, bytes in all, ranks) of stage `key` on the node's other ranks."""
+        ...
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units, as disk and network figures are quoted (16.38 GB)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 class Reporter:
-    """Plain reporting: one line when a stage starts (rank 0) and one when it ends (every rank)."""
+    """Plain reporting: one line when a stage starts (rank 0) and one when it ends (every rank);
+    while a stage that moves bytes runs, rank 0 says how far it got every TICK_S."""
+
+    TICK_S = 10.0  # how often the display looks at the counters (and, here, writes a line)
 
     def __init__(self, log: Any, *, primary: bool, quiet: bool = False) -> None:
         self._log = log  # callable(str)
         self.primary = primary
         self.quiet = quiet
         self.figures = StageLog()
+        self.running: dict[str, StageFigures] = {}
+        self.node: NodeView | None = None
+        self._counters: dict[str, ByteCounter] = {}
+        self._seen: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def log(self, message: str) -> None:
         if not self.quiet:
-            self._log(message)
+            self._log(redact(message))
 
     def warn(self, message: str) -> None:
         """Warnings print even with --quiet."""
-        self._log(f"warning: {message}")
+        self._log(redact(f"warning: {message}"))
 
-    def _started(self, name: str, label: str) -> None:
-        if self.primary:
-            self.log(f"{label}...")
-
-    def _finished(self, figures: StageFigures) -> None:
-        self.log(figures.summary())
+    def counter(self, name: str) -> ByteCounter:
+        """The byte counter the next stage called `name` will use: for work that starts
+        before its stage does."""
+        with self._lock:
+            return self._counters.setdefault(name, ByteCounter())
 
     @contextlib.contextmanager
-    def stage(self, name: str, label: str, *, nbytes: int | None = None) -> Iterator[StageFigures]:
-        figures = StageFigures(name, bytes=nbytes)
+    def stage(
+        self, name: str, label: str, *, nbytes: int | None = None, node_wide: bool = False
+    ) -> Iterator[StageFigures]:
+        with self._lock:
+            self._seen[name] = seq = self._seen.get(name, 0) + 1
+            done = self._counters.pop(name, None) or ByteCounter()
+        figures = StageFigures(
+            name, bytes=nbytes, label=label, done=done, node_wide=node_wide, seq=seq
+        )
         self.figures.current = label
-        self._started(name, label)
-        start = time.perf_counter()
+        with self._lock:
+            self.running[name] = figures
+        self._started(figures)
+        if nbytes is not None:
+            self._start_ticker()
+        ok = False
         try:
             yield figures
+            ok = True
         finally:
-            figures.seconds = time.perf_counter() - start
+            figures.seconds = time.perf_counter() - figures.started_at
             self.figures.current = ""
+            with self._lock:
+                self.running.pop(name, None)
+            if not ok:
+                self._failed(figures)
         self.figures.stages.append(figures)
         self._finished(figures)
 
     def close(self) -> None:
-        pass
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=2)
 
+    # -- what a display does (this one: plain lines) ------------------------------------------
 
-def escape(text: str) -> str:
-    from rich.markup import escape as rich_escape
+    def _started(self, figures: StageFigures) -> None:
+        if self.primary:
+            self.log(f"{figures.label}...")
 
-    return rich_escape(text)
+    def _finished(self, figures: StageFigures) -> None:
+        self.log(figures.summary())
+
+    def _failed(self, figures: StageFigures) -> None:
+        pass  # the error line says what happened
+
+    def _tick(self) -> None:
+        """Rank 0, in a log: how far each stage that moves bytes got."""
+        if not self.primary or self.quiet:
+            return
+        for figures in self.running_stages():
+            done, total, ranks = self.progress_of(figures)
+            if total and figures.done.live:
+                rate = done / max(time.perf_counter() - figures.started_at, 1e-9)
+                where = f" on {ranks} ranks" if ranks > 1 else ""
+                self.log(
+                    f"{figures.label}: {format_bytes(done)} of {format_bytes(total)}{where} "
+                    f"({format_bytes(rate)}/s)"
+                )
+
+    # -- for displays ----------------------------------------------------------------------------
+
+    def running_stages(self) -> list[StageFigures]:
+        with self._lock:
+            return list(self.running.values())
+
+    def progress_of(self, figures: StageFigures) -> tuple[int, int, int]:
+        """(bytes done, bytes in all, ranks counted) of a running stage: this rank's, plus
+        the node's other ranks for a node-wide stage."""
+        done, total, ranks = figures.done_bytes(), figures.bytes or 0, 1
+        if figures.node_wide and self.node is not None:
+            other_done, other_total, others = self.node.others(figures.key)
+            done, total, ranks = done + other_done, total + other_total, ranks + others
+        return done, total, ranks
+
+    def _start_ticker(self) -> None:
+        with self._lock:
+            if self._ticker is not None:
+                return
+            self._ticker = threading.Thread(target=self._run_ticker, name="ckptctl-progress")
+            self._ticker.daemon = True
+        self._ticker.start()
+
+    def _run_ticker(self) -> None:
+        while not self._stop.wait(self.TICK_S):
+            # A display must never end the job: whatever goes wrong here is dropped.
+            with contextlib.suppress(Exception):
+                self._tick()
 
 
 class RichReporter(Reporter):
-    """A live view for a person at rank 0's terminal: a spinner per running stage, then its figures."""
+    """A live view for a person at rank 0's terminal: a row per running stage (a bar with
+    bytes, rate and ETA for a stage that moves bytes); a finished stage becomes a line."""
+
+    TICK_S = 0.2
 
     def __init__(self, console: Any, *, quiet: bool = False) -> None:
         super().__init__(console.print, primary=True, quiet=quiet)
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
         self.console = console
+        # The figures keep their width (each column pads its own); the description takes what
+        # is left of the line and is cut (…) on a narrow terminal. (Rich would rather wrap
+        # the figures.)
+        self._description = Column(no_wrap=True, overflow="ellipsis")
         self.progress = Progress(
-            SpinnerColumn(finished_text="[green]✓[/green]"),
-            TextColumn("{task.description}"),
-            TimeElapsedColumn(),
+            SpinnerColumn(),
+            TextColumn("{task.description}", table_column=self._description),
+            _BarColumn(),
+            _BytesColumn(table_column=Column(no_wrap=True)),
+            _RateColumn(table_column=Column(no_wrap=True)),
+            _TimeColumn(table_column=Column(no_wrap=True)),
             console=console,
-            transient=False,
+            transient=True,  # finished stages are printed as lines; the live rows then go
+            refresh_per_second=8,
         )
         self.progress.start()
         self._tasks: dict[str, Any] = {}
 
     def log(self, message: str) -> None:
         if not self.quiet:
-            self.progress.console.print(message, markup=False, highlight=False)
-
-    def _started(self, name: str, label: str) -> None:
-        # escape(): paths, server messages and versions are text, never Rich markup.
-        self._tasks[name] = self.progress.add_task(escape(label), total=1)
-
-    def _finished(self, figures: StageFigures) -> None:
-        task = self._tasks.pop(figures.name, None)
-        if task is not None:
-            self.progress.update(task, completed=1, description=escape(figures.summary()))
+            self.progress.console.print(redact(message), markup=False, highlight=False)
 
     def warn(self, message: str) -> None:
-        self.progress.console.print(f"warning: {message}", style="yellow", markup=False)
+        self.progress.console.print(redact(f"warning: {message}"), style="yellow", markup=False)
+
+    def _started(self, figures: StageFigures) -> None:
+        self._fit(self.running_stages())
+        # escape(): paths, server messages and versions are text, never Rich markup.
+        self._tasks[figures.name] = self.progress.add_task(
+            escape(figures.label), total=None, figures=figures
+        )
+        self._tick()
+
+    def _finished(self, figures: StageFigures) -> None:
+        self._drop(figures)
+        if not self.quiet:
+            summary = redact(figures.summary())
+            self.progress.console.print(Text.assemble(("✓ ", "green"), summary))
+
+    def _failed(self, figures: StageFigures) -> None:
+        self._drop(figures)
+
+    def _drop(self, figures: StageFigures) -> None:
+        task = self._tasks.pop(figures.name, None)
+        if task is not None:
+            self.progress.remove_task(task)
+            self.progress.refresh()  # (else the next line printed shows the stale row again)
+
+    def _fit(self, running: list[StageFigures]) -> None:
+        """The description's width: the line less the figures the running stages show
+        (spinner, bar, bytes, rate, time and the gaps; without bytes, spinner and time)."""
+        figures_width = 50 if any(f.bytes for f in running) else 12
+        self._description.max_width = max(self.console.width - figures_width, 16)
+
+    def _tick(self) -> None:
+        running = self.running_stages()
+        self._fit(running)
+        for figures in running:
+            task = self._tasks.get(figures.name)
+            if task is None or not figures.bytes:
+                continue
+            done, total, ranks = self.progress_of(figures)
+            label = figures.label + (f", {ranks} ranks" if ranks > 1 else "")
+            live = figures.done.live or done > 0
+            self.progress.update(
+                task,
+                total=total if live else None,
+                completed=done,
+                description=escape(label),
+                nbytes=total,
+            )
 
     def close(self) -> None:
+        super().close()
         self.progress.stop()
+
+
+def _is_bytes_task(task: Task) -> bool:
+    figures = task.fields.get("figures")
+    return figures is not None and bool(figures.bytes)
+
+
+class _BarColumn(ProgressColumn):
+    """A bar for a stage that moves bytes (pulsing until its bytes are counted), else none."""
+
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(no_wrap=True))
+        self._bar = BarColumn(bar_width=10)
+
+    def render(self, task: Task) -> RenderableType:
+        return self._bar.render(task) if _is_bytes_task(task) else Text("")
+
+
+class _BytesColumn(ProgressColumn):
+    """'1.20/16.38 GB' (decimal units, as disk and network figures are quoted)."""
+
+    def render(self, task: Task) -> Text:
+        if not _is_bytes_task(task):
+            return Text("")
+        total = task.fields.get("nbytes") or task.fields["figures"].bytes
+        if task.total is None:
+            return Text(f"{format_bytes(total):>14}", style="progress.download")
+        number, unit = format_bytes(total).split()
+        scale = float(total) / float(number) if float(number) else 1.0
+        done = f"{task.completed / scale:.2f}" if unit != "B" else str(int(task.completed))
+        return Text(f"{done + '/' + number + ' ' + unit:>14}", style="progress.download")
+
+
+class _RateColumn(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        if not _is_bytes_task(task):
+            return Text("")
+        if task.total is None or not speed:
+            return Text(" " * 11)
+        return Text(f"{format_bytes(speed) + '/s':>11}", style="progress.data.speed")
+
+
+class _TimeColumn(ProgressColumn):
+    """The ETA of a stage whose bytes are counted; the time it has taken otherwise."""
+
+    def render(self, task: Task) -> Text:
+        if _is_bytes_task(task) and task.total is not None and task.time_remaining is not None:
+            return Text(f"{'eta ' + _clock(task.time_remaining):<9}", style="progress.remaining")
+        return Text(f"{_clock(task.elapsed or 0):<9}", style="progress.elapsed")
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 60}:{seconds % 60:02d}"

@@ -1,7 +1,12 @@
 """Poll an inference server until it is listening, healthy, or serving a given weight version.
 
-Every wait is bounded: each attempt has its own timeout, clipped to what is left of the
-overall deadline, so a server that accepts and never answers cannot hold us past it.
+Every wait is bounded: each attempt has a deadline of its own for all its requests together
+(bounded_http.py), clipped to what is left of the overall deadline, so a server that accepts
+and never answers, or trickles its answer, cannot hold us past it.
+
+A server that answers 404 where SGLang or vLLM answer (`/ping`, `/health`) is not one of them:
+`wait_ready` says so at once (`ForeignServer`, exit 1) rather than calling it ready, or waiting
+out --timeout for a server that will never change its answer.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ from typing import Literal
 
 import httpx
 
+from ckptctl.bounded_http import deadline
+from ckptctl.errors import OperationFailed
 from ckptctl.server import (
     CONTRACTS,
     EngineContract,
     ServerAddress,
     describe_failure,
     make_client,
+    one_line,
     parse_json_object,
 )
 
@@ -34,6 +42,11 @@ class Probe:
     status: str  # short, for humans: "HTTP 503", "connection refused", "weight version 'v1'"
     http_status: int | None = None
     weight_version: str | None = None
+    foreign: bool = False  # it answered, and not like SGLang or vLLM would
+
+
+class ForeignServer(OperationFailed):
+    """The server answers HTTP, but not like SGLang or vLLM: waiting longer will not help."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +82,8 @@ def read_weight_version(client: httpx.Client, contract: EngineContract) -> tuple
         if doc is None or "weight_version" not in doc:
             last = f"{path} answered without a weight_version"
             continue
-        return str(doc["weight_version"]), f"weight version {doc['weight_version']!r}"
+        version = str(doc["weight_version"])
+        return version, f"weight version {one_line(repr(version), 100)}"
     return None, last
 
 
@@ -92,23 +106,35 @@ class Prober:
     def close(self) -> None:
         self._client.close()
 
+    @property
+    def path(self) -> str:
+        """Where this condition is asked."""
+        if self.condition == "listening":
+            return self.contract.listening_path
+        return self.contract.health_path
+
     def probe(self, attempt_timeout: float) -> Probe:
+        """One attempt: every request it makes ends within `attempt_timeout` seconds in all."""
         self._client.timeout = httpx.Timeout(attempt_timeout)
-        path = (
-            self.contract.listening_path
-            if self.condition == "listening"
-            else self.contract.health_path
-        )
         try:
-            response = self._client.get(path)
-            code = response.status_code
-            up = True if self.condition == "listening" else code == 200
-            if not up or self.weight_version is None:
-                return Probe(up, f"HTTP {code}", code)
-            version, status = read_weight_version(self._client, self.contract)
-            return Probe(version == self.weight_version, status, code, version)
+            with deadline(attempt_timeout):
+                response = self._client.get(self.path)
+                code = response.status_code
+                if code == 404:  # both engines have this path in every version
+                    return Probe(False, f"HTTP 404 on {self.path}", code, foreign=True)
+                up = True if self.condition == "listening" else code == 200
+                if not up or self.weight_version is None:
+                    return Probe(up, f"HTTP {code}", code)
+                version, status = read_weight_version(self._client, self.contract)
+                return Probe(version == self.weight_version, status, code, version)
         except httpx.HTTPError as exc:  # every transport failure is "not ready yet"
             return Probe(False, describe_failure(exc, self.address, attempt_timeout))
+
+    def foreign_server(self, probe: Probe) -> ForeignServer:
+        return ForeignServer(
+            f"{self.address.describe()} answered {probe.status}: this does not answer like "
+            "SGLang or vLLM (check --endpoint)"
+        )
 
 
 def wait_ready(
@@ -120,7 +146,10 @@ def wait_ready(
     on_attempt: Callable[[Probe, int, float], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> WaitResult:
-    """Probe until ready or until `timeout` seconds have passed (never much longer)."""
+    """Probe until ready or until `timeout` seconds have passed (never much longer).
+
+    Raises ForeignServer as soon as the server answers in a way neither engine does.
+    """
     start = clock()
     deadline = start + timeout
     attempts = 0
@@ -134,6 +163,8 @@ def wait_ready(
         elapsed = clock() - start
         if on_attempt is not None:
             on_attempt(probe, attempts, elapsed)
+        if probe.foreign:
+            raise prober.foreign_server(probe)
         if probe.ready:
             return WaitResult(True, elapsed, attempts, probe.status, probe.weight_version)
         remaining = deadline - clock()

@@ -1,9 +1,13 @@
 """The one JSON document a `--json` command writes on stdout - also when it fails.
 
-On success the command writes its result. When it ends without one (an error, a timeout, a
-watchdog ending the rank from another thread), `write_failure` writes
-`{"ok": false, "exit_code": N, "error": "..."}` instead, so `--json > out.json` never leaves an
-empty or half-written file. Only rank 0 writes.
+Every document has one shape, the envelope: `{"ok": true|false, "exit_code": N, "error":
+null|"<the one-line message>"}` followed by the command's own fields. On success the command
+writes its result (`write`). When it ends without one (an error, a timeout, a watchdog ending
+the rank from another thread, a usage error caught before the command ran), `write_failure`
+writes the envelope of the failure instead, with whatever fields the command kept for it
+(`keep`: a wait-ready that timed out still says how long it waited), so `--json > out.json`
+never leaves an empty or half-written file. Only rank 0 writes; `_emit` is the one place that
+writes.
 
 GPU jobs also keep native libraries off stdout: NCCL (with NCCL_DEBUG) and CUDA print to file
 descriptor 1 directly. `protect_stdout` points fd 1 at stderr while the job runs and keeps the
@@ -20,28 +24,62 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from ckptctl.errors import redact_doc
+
 _stream: TextIO | None = None  # where the result goes; None: this command prints no JSON
 _written = False
+_kept: dict[str, Any] = {}  # fields for the failure document, should the command fail
+
+ENVELOPE = ("ok", "exit_code", "error")
 
 
 def expect(stream: TextIO | None) -> None:
     """Called when a command starts: a JSON result is owed on `stream` (None: none is)."""
     global _stream, _written
     _stream, _written = stream, False
+    _kept.clear()
+
+
+def owed() -> bool:
+    """A document is owed on stdout and none went out yet."""
+    return _stream is not None and not _written
+
+
+def envelope(fields: dict[str, Any], *, code: int = 0, error: str | None = None) -> dict[str, Any]:
+    """`fields` in the envelope: ok, exit_code and error first, then the command's own."""
+    doc: dict[str, Any] = {"ok": int(code) == 0, "exit_code": int(code), "error": error}
+    doc.update((k, v) for k, v in fields.items() if k not in ENVELOPE)
+    return doc
 
 
 def write(doc: dict[str, Any]) -> None:
-    global _written
-    if _stream is None or _written:
-        return
-    _stream.write(json.dumps(doc, separators=(",", ":")) + "\n")
-    _stream.flush()
-    _written = True
+    """The command's result. A result that says it failed (`"ok": false`, a serve job's answer)
+    keeps its exit code and error; any other is a success."""
+    if doc.get("ok", True) is False:
+        code = int(doc.get("exit_code") or 1)
+        _emit(envelope(doc, code=code, error=str(doc.get("error") or f"failed (exit {code})")))
+    else:
+        _emit(envelope(doc))
+
+
+def keep(fields: dict[str, Any]) -> None:
+    """Fields that belong in the failure document too, if the command goes on to fail."""
+    _kept.update(fields)
 
 
 def write_failure(code: int, message: str) -> None:
-    """The failure document, unless a result already went out."""
-    write({"ok": False, "exit_code": int(code), "error": message})
+    """The failure document (with the kept fields), unless a result already went out."""
+    _emit(envelope(_kept, code=code, error=message))
+
+
+def _emit(doc: dict[str, Any]) -> None:
+    global _written
+    if _stream is None or _written:
+        return
+    # Secrets (an API key a server echoed, a URL's password) never reach the document.
+    _stream.write(json.dumps(redact_doc(doc), separators=(",", ":")) + "\n")
+    _stream.flush()
+    _written = True
 
 
 @contextlib.contextmanager

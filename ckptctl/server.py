@@ -6,14 +6,18 @@ gives are summarised in docs of the project (SGLang 0.5.4–0.5.23, vLLM dev mod
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
 
+from ckptctl.bounded_http import MAX_RESPONSE_BYTES, ResponseTooLarge, bounded_client
 from ckptctl.defaults import API_KEY_ENV, DEFAULT_ENDPOINT
+from ckptctl.errors import redact, register_secret, register_url_secrets
 
 Engine = Literal["sglang", "vllm"]
 ENGINES: tuple[Engine, ...] = ("sglang", "vllm")
@@ -46,8 +50,15 @@ class ServerAddress:
     uds: str | None = None
     api_key: str | None = None  # sent as a Bearer token; never printed
 
+    def __post_init__(self) -> None:
+        # From here on, nothing ckptctl prints shows the key or the endpoint's password.
+        register_secret(self.api_key)
+        register_url_secrets(self.endpoint)
+
     def describe(self) -> str:
-        return f"{self.endpoint} (via Unix socket {self.uds})" if self.uds else self.endpoint
+        """The endpoint for messages, without the password of its user info."""
+        endpoint = redact(self.endpoint)
+        return f"{endpoint} (via Unix socket {self.uds})" if self.uds else endpoint
 
 
 def check_endpoint(endpoint: str) -> str:
@@ -71,21 +82,32 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-def make_client(address: ServerAddress, timeout: float) -> httpx.Client:
-    """An httpx client for `address`; `trust_env=False` keeps proxy settings off loopback calls."""
+def make_client(
+    address: ServerAddress, timeout: float, *, max_response_bytes: int = MAX_RESPONSE_BYTES
+) -> httpx.Client:
+    """An httpx client for `address`: each request ends within `timeout` seconds in all, and
+    reads at most `max_response_bytes` of answer (bounded_http.py: a server may trickle or
+    flood)."""
     headers = {"Authorization": f"Bearer {address.api_key}"} if address.api_key else {}
-    transport = httpx.HTTPTransport(uds=address.uds) if address.uds else None
-    return httpx.Client(
-        base_url=address.endpoint,
-        headers=headers,
+    client = bounded_client(
+        address.endpoint,
         timeout=timeout,
-        transport=transport,
-        trust_env=False,
+        uds=address.uds,
+        headers=headers,
+        max_response_bytes=max_response_bytes,
     )
+    if address.api_key:
+        # httpx turns a URL's user:password into Basic auth, replacing the Bearer header: the
+        # API key asked for explicitly goes out instead (a no-op Auth keeps the header as set).
+        client.auth = httpx.Auth()
+    return client
 
 
 def describe_failure(exc: BaseException, address: ServerAddress, timeout: float) -> str:
-    """A short, key-free description of why a request got no HTTP answer."""
+    """A short, key-free description of why a request got no (usable) HTTP answer."""
+    if isinstance(exc, ResponseTooLarge):
+        limit = f"{exc.limit >> 20} MiB" if exc.limit % (1 << 20) == 0 else f"{exc.limit} bytes"
+        return f"answered more than {limit}, more than any answer it should give"
     if address.uds and isinstance(exc, httpx.ConnectError) and not os.path.exists(address.uds):
         return f"no Unix socket at {address.uds}"
     if isinstance(exc, httpx.ConnectTimeout):
@@ -112,8 +134,28 @@ def parse_json_object(response: httpx.Response) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def server_message(response: httpx.Response, limit: int = 500) -> str:
-    """What the server said, for error lines: its `message` (SGLang), `detail`/`error`, or text."""
+MESSAGE_CHARS = 300  # the most of a server's words that one error line carries
+_HIDDEN_HTML = re.compile(r"<(script|style)\b.*?</\1\s*>", re.IGNORECASE | re.DOTALL)
+_TAG = re.compile(r"<[^>]*>")
+# Terminal escape sequences (CSI, OSC), then any C0/C1 control left: what a server says never
+# moves the cursor, recolours the terminal or retitles its window.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def one_line(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """A server's text made fit for one line of ours: tags of an HTML page dropped, control
+    characters and line breaks made spaces, secrets redacted, at most `limit` characters."""
+    if text.lstrip()[:1] == "<":
+        text = html.unescape(_TAG.sub(" ", _HIDDEN_HTML.sub(" ", text)))
+    text = " ".join(_CONTROL.sub(" ", _ESCAPES.sub("", text)).split())
+    text = redact(text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def server_message(response: httpx.Response, limit: int = MESSAGE_CHARS) -> str:
+    """What the server said, for error lines: its `message` (SGLang), `detail`/`error`, or its
+    text; always one bounded line (an HTML error page shows as its words)."""
     doc = parse_json_object(response)
     if doc is not None:
         for key in ("message", "detail", "error"):
@@ -121,10 +163,11 @@ def server_message(response: httpx.Response, limit: int = 500) -> str:
             if isinstance(value, dict):
                 value = value.get("message", value)
             if value:
-                text = value if isinstance(value, str) else json.dumps(value)
-                return text[:limit]
-    text = response.text.strip().replace("\n", " ")
-    return text[:limit] if text else "(empty body)"
+                return one_line(value if isinstance(value, str) else json.dumps(value), limit)
+    text = one_line(response.text, limit)
+    if not text:
+        return "(empty body)"
+    return f"(an HTML page) {text}" if response.text.lstrip()[:1] == "<" else text
 
 
 # -- pushing an update ----------------------------------------------------------------------------
@@ -185,7 +228,7 @@ def push_update(
         return "collective_rpc update_weights_from_ipc done"
     doc = parse_json_object(response)
     if code == 200 and doc is not None and doc.get("success") is True:
-        return str(doc.get("message", ""))
+        return one_line(str(doc.get("message", "")))
     if code == 404:
         raise UpdateRefused(
             f"HTTP 404 on {path}: the server has no IPC update endpoint "

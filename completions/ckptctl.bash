@@ -1,4 +1,3 @@
-
 _ckptctl_completion() {
     local IFS=$'
 '

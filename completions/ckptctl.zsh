@@ -1,4 +1,3 @@
-
 #compdef ckptctl
 
 _ckptctl_completion() {

@@ -24,7 +24,9 @@ def render(shell: str) -> str:
     r = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
-    return r.stdout
+    # Typer's scripts start with a blank line, and zsh loads a completion file only when its
+    # first line is `#compdef ckptctl`.
+    return r.stdout.lstrip("\n")
 
 
 def main(argv: list[str]) -> None:

@@ -24,9 +24,11 @@ class CpuParameterServerSession:
     kept as views, `update` hands every rank's fake IPC socket paths to the request function
     in a thread, the way checkpoint-engine does."""
 
-    def __init__(self, *, p2p: str, io_timeout: Any, group_store: Any = None) -> None:
+    def __init__(
+        self, *, p2p: str, io_timeout: Any, group_store: Any = None, on_failure: Any = None
+    ) -> None:
         self.group_store = group_store  # the job's store (None for one process)
-        self.updates = 0
+        self.updates: dict[str, int] = {}  # per checkpoint name: the key of each update
         self.p2p_enabled = False
         self.p2p_error = None
         self.registered: dict[str, dict[str, Any]] = {}
@@ -61,6 +63,17 @@ class CpuParameterServerSession:
         for f in files:
             os.remove(f)
 
+    def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
+        """What the real session hashes for --verify: the bytes each tensor was registered with."""
+        if name in self.buffers:
+            from ckptctl.pipeline.parameter_server import buffer_views
+
+            return buffer_views(self.buffers[name])
+        return [
+            (n, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            for n, t in self.registered.get(name, {}).items()
+        ]
+
     def ensure_group(self) -> float | None:
         return None  # no process group to build here
 
@@ -81,25 +94,29 @@ class CpuParameterServerSession:
         from ckptctl.errors import OperationFailed
 
         self.rescued: str | None = None
-        self.updates += 1
+        self.updates[name] = self.updates.get(name, 0) + 1
         paths = [(f"GPU-fake-{r}", f"ipc://@fake-{r}.sock") for r in range(self.world)]
-        sent = len(req_func.messages)
+        sent = len(getattr(req_func, "messages", []))
         thread = threading.Thread(target=req_func, args=(paths,))
         thread.start()
         thread.join()
-        if self.group_store is not None:
-            # checkpoint-engine's update is collective: it returns on every rank together, once
-            # the leader's server has taken the weights, or fails on every rank. A rank here
-            # marks its part done (a leader only when its server said yes) and waits for all:
-            # a failed leader never marks it, and every rank is ended - by the watchdog (update)
-            # or by the rescue of its transfer (serve) - never left to finish on its own.
-            ok = not req_func.assignment.is_leader or len(req_func.messages) > sent
-            key = f"cpu-ps/{name}/{self.updates}"
-            if ok and self.rescued is None:
-                self.group_store.set(f"{key}/{self.rank}", "done")
-            keys = [f"{key}/{r}" for r in range(self.world)]
-            while self.rescued is None and not self.group_store.check(keys):
-                time.sleep(0.02)
+        # checkpoint-engine's update is collective: it returns on every rank together, once the
+        # leader's server has taken the weights, or fails on every rank. A rank here marks its
+        # part done (a leader only when its server said yes) and waits for all: a failed
+        # leader never marks it, and every rank is ended - by the watchdog (update) or by the
+        # rescue of its transfer (serve) - never left to finish, or exit 0, on its own.
+        leader = getattr(getattr(req_func, "assignment", None), "is_leader", False)
+        ok = not leader or len(getattr(req_func, "messages", [])) > sent
+        key = f"cpu-ps/{name}/{self.updates[name]}"
+        store = self.group_store
+        if ok and self.rescued is None and store is not None:
+            store.set(f"{key}/{self.rank}", "done")
+
+        def all_done() -> bool:
+            return ok if store is None else store.check([f"{key}/{r}" for r in range(self.world)])
+
+        while self.rescued is None and not all_done():
+            time.sleep(0.02)
         if self.rescued is not None:
             raise OperationFailed(f"checkpoint-engine's update failed: {self.rescued}")
 

@@ -6,10 +6,13 @@
 - `/health` 503 while waiting for weights, 200 after.
 - `/model_info` (0.5.9+), `/get_weight_version` (up to 0.5.20), `/get_model_info`.
 - `POST /update_weights_from_ipc`: 200 `{"success": true, ...}` or 400 `{"success": false, ...}`.
+- `/weights_checker` (0.5.6+): SGLang's weights checker, version by version, over the tensors
+  in `Behaviour.held` (tests/fake_checker.py; what each version answers: WEIGHTS-CHECKER.md).
 - vLLM: `/health` 200 from the start, `POST /collective_rpc` → `{"results": [...]}`.
 
 It can also misbehave: hang (accept, never answer), reset the connection, answer garbage, 5xx,
-require an API key. The `/update_weights_from_ipc` and `/collective_rpc` handlers call a
+require an API key, trickle its headers or body a byte at a time, stream an endless body or
+announce a huge one, echo the request's headers in its error message. The `/update_weights_from_ipc` and `/collective_rpc` handlers call a
 pluggable `on_update(zmq_handles, body)` so the GPU receiver can do the real IPC load.
 """
 
@@ -30,27 +33,51 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-# Which read-back endpoints each SGLang version has.
+# Which read-back endpoints each SGLang version has; `weights_checker`: the checker's
+# generation (fake_checker.CHECKER_VERSIONS), None where the route does not exist.
 SGLANG_PROFILES: dict[str, dict[str, Any]] = {
     "sglang-0.5.4": {
         "ping_503_before_weights": False,
         "model_info": False,
         "get_weight_version": True,
+        "weights_checker": None,
+    },
+    "sglang-0.5.9": {
+        "ping_503_before_weights": False,
+        "model_info": True,
+        "get_weight_version": True,
+        "weights_checker": "0.5.6",
+    },
+    "sglang-0.5.12": {
+        "ping_503_before_weights": False,
+        "model_info": True,
+        "get_weight_version": True,
+        "weights_checker": "0.5.12",
     },
     "sglang-0.5.14": {
         "ping_503_before_weights": False,
         "model_info": True,
         "get_weight_version": True,
+        "weights_checker": "0.5.13",
     },
     "sglang-0.5.22": {
         "ping_503_before_weights": False,
         "model_info": True,
         "get_weight_version": False,
+        "weights_checker": "0.5.13",
     },
     "sglang-0.5.23": {
         "ping_503_before_weights": True,
         "model_info": True,
         "get_weight_version": False,
+        "weights_checker": "0.5.23",
+    },
+    # Not a release: 0.5.23 plus the compare_checksum of SGLang PR #17009 (closed unmerged).
+    "sglang-pr17009": {
+        "ping_503_before_weights": True,
+        "model_info": True,
+        "get_weight_version": False,
+        "weights_checker": "pr17009",
     },
 }
 PROFILES = (*SGLANG_PROFILES, "vllm")
@@ -69,7 +96,12 @@ class Behaviour:
     weights_loaded: bool = False
     weight_version: str = "default"
     # misbehaviour for every request: None | "hang" | "reset" | "garbage" | "http500" | "bad_json"
+    # | "trickle_headers" | "trickle_body" | "endless_body" | "huge_length" | "echo_headers"
     mode: str | None = None
+    mode_paths: tuple[str, ...] = ()  # when set, the misbehaviour is only on these paths
+    trickle_interval_s: float = 0.05  # between two bytes of a trickle: far below any timeout
+    bytes_sent: int = 0  # by the misbehaviours that stream (trickles, endless bodies)
+    disconnects: int = 0  # times a streaming misbehaviour found the client gone
     api_key: str | None = None
     update_status: int = 200  # 400 → refuse with update_message
     update_message: str = "IPC weight update completed successfully"
@@ -82,6 +114,8 @@ class Behaviour:
     # was answered with ("status", set as the answer goes out; absent while it is pending or
     # when the server misbehaved instead). Tests assert on what the server saw, not on time.
     requests: list[dict[str, Any]] = field(default_factory=list)
+    # What /weights_checker sees (a fake_checker.HeldWeights); an empty one when None.
+    held: Any = None
 
     def statuses(self, path: str) -> list[int]:
         """The statuses answered so far to requests for `path` (query string ignored)."""
@@ -130,6 +164,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _misbehave(self) -> bool:
         """Apply the server-wide misbehaviour; True when the request has been dealt with."""
         b: Behaviour = self.server.behaviour
+        if b.mode_paths and self.path.split("?")[0] not in b.mode_paths:
+            return False
         if b.mode == "hang":
             while not self.server.stopping.wait(0.05):
                 pass
@@ -151,7 +187,56 @@ class _Handler(BaseHTTPRequestHandler):
         if b.mode == "http500":
             self._send_json(500, {"detail": "Internal Server Error"})
             return True
+        if b.mode == "echo_headers":
+            # A proxy or framework that quotes the whole request back in its error.
+            seen = "; ".join(f"{k}: {v}" for k, v in self.headers.items())
+            self._send_json(400, {"success": False, "message": f"bad request ({seen})"})
+            return True
+        if b.mode in _STREAMING:
+            self.close_connection = True
+            _STREAMING[b.mode](self)
+            return True
         return False
+
+    # -- streaming misbehaviours: count what they send, notice when the client is gone -----
+    def _stream(self, data: bytes, *, trickle: bool) -> bool:
+        """Send `data` (a byte at a time when trickling); False once the client is gone."""
+        b: Behaviour = self.server.behaviour
+        pieces = [data[i : i + 1] for i in range(len(data))] if trickle else [data]
+        for piece in pieces:
+            if self.server.stopping.is_set():
+                return False
+            try:
+                self.wfile.write(piece)
+            except OSError:  # BrokenPipe, ConnectionReset: the client hung up
+                b.disconnects += 1
+                return False
+            b.bytes_sent += len(piece)
+            if trickle:
+                time.sleep(b.trickle_interval_s)
+        return True
+
+    def _trickle_headers(self) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Slow: " + b"a" * 50_000
+        self._stream(head + b"\r\n\r\n{}", trickle=True)
+
+    def _trickle_body(self) -> None:
+        length = 100_000
+        head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {length}"
+        if self._stream(head.encode() + b"\r\n\r\n", trickle=False):
+            self._stream(b" " * length, trickle=True)
+
+    def _endless_body(self, length: int | None = None) -> None:
+        head = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        # Without a length, an HTTP/1.1 body runs until the server closes: here, never.
+        head += f"Content-Length: {length}\r\n\r\n" if length else "Connection: close\r\n\r\n"
+        chunk = b"[" * 65536
+        if self._stream(head.encode(), trickle=False):
+            while self._stream(chunk, trickle=False):
+                pass
+
+    def _huge_length(self) -> None:
+        self._endless_body(length=10**12)
 
     def _authorised(self) -> bool:
         b: Behaviour = self.server.behaviour
@@ -216,7 +301,26 @@ class _Handler(BaseHTTPRequestHandler):
             )
         if path == "/get_weight_version" and prof["get_weight_version"]:
             return self._send_json(200, {"weight_version": b.weight_version})
+        if path == "/weights_checker":
+            return self._weights_checker(prof, None, method="GET")
         return self._send_json(404, {"detail": "Not Found"})
+
+    def _weights_checker(self, prof: dict[str, Any], doc: Any, *, method: str) -> None:
+        from fake_checker import CHECKER_VERSIONS, HeldWeights, checker_answer
+
+        version = prof["weights_checker"]
+        if version is None:
+            return self._send_json(404, {"detail": "Not Found"})
+        if method == "GET" and not CHECKER_VERSIONS[version]["get"]:
+            return self._send_json(405, {"detail": "Method Not Allowed"})
+        b: Behaviour = self.server.behaviour
+        if b.held is None:
+            b.held = HeldWeights()
+        try:
+            status, body = checker_answer(version, b.held, doc)
+        except Exception as exc:  # noqa: BLE001 - SGLang's scheduler reports it the same way
+            status, body = 400, {"success": False, "message": f"{exc}"}
+        return self._send_json(status, body)
 
     def _send_raw(self, status: int, body: bytes) -> None:
         self._answering(status)
@@ -257,6 +361,8 @@ class _Handler(BaseHTTPRequestHandler):
                     },
                 )
             return self._apply_update(doc["zmq_handles"], doc, vllm=False)
+        if b.profile != "vllm" and path == "/weights_checker":
+            return self._weights_checker(SGLANG_PROFILES[b.profile], doc, method="POST")
         return self._send_json(404, {"detail": "Not Found"})
 
     def _apply_update(self, handles: dict[str, str], doc: dict[str, Any], *, vllm: bool) -> None:
@@ -284,6 +390,14 @@ class _Handler(BaseHTTPRequestHandler):
             b.weight_version = str(doc["weight_version"])
             message += f" Weight version updated to {b.weight_version}."
         return self._send_json(200, {"success": True, "message": message})
+
+
+_STREAMING: dict[str, Callable[[_Handler], None]] = {
+    "trickle_headers": _Handler._trickle_headers,
+    "trickle_body": _Handler._trickle_body,
+    "endless_body": _Handler._endless_body,
+    "huge_length": _Handler._huge_length,
+}
 
 
 class _TCPServer(ThreadingHTTPServer):

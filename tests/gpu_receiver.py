@@ -19,6 +19,11 @@ broadcast delivers the whole checkpoint to every GPU, so each worker checks all 
 `POST /receiver/config` changes the failure injection (see `ReceiverConfig`). These control
 routes need no API key and work in every profile.
 
+`/weights_checker` answers as the profile's SGLang version does (tests/fake_checker.py,
+WEIGHTS-CHECKER.md), over the parameters on the GPUs: worker i of N plays TP rank i (its
+checksums cover row block i of each parameter whose first dim splits evenly). `drop_tensor` and
+`corrupt_tensor` make an update silently skip or flip one tensor (the HTTP answer stays 200).
+
 The HTTP answer follows the engine: 400 `{"success": false, "message": "IPC weight update
 failed: ..."}` (SGLang) or 500 (vLLM) when a worker raised, died or timed out, or when `run`
 raised in a bucket whose error checkpoint-engine swallowed (the last one). Wrong or missing
@@ -55,6 +60,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from fake_checker import Weights
 from fake_server import PROFILES, Behaviour, FakeServer
 
 # -- configuration -------------------------------------------------------------------------
@@ -92,6 +98,10 @@ class ReceiverConfig:
     # worker call swallowed (last bucket) does not fail the HTTP answer (it still shows in
     # the report). Off by default: the receiver answers 400, as the task asks.
     hide_swallowed_errors: bool = False
+    # A receiver that silently loses one tensor (its bytes stay as they were) or corrupts one
+    # (its first byte arrives flipped): the update still answers 200, as a buggy one would.
+    drop_tensor: str | None = None
+    corrupt_tensor: str | None = None
 
     def update(self, doc: dict[str, Any]) -> None:
         names = {f.name for f in fields(self)}
@@ -210,7 +220,11 @@ class _Update:
                         f"{name}: got {tensor.dtype}{list(tensor.shape)}, "
                         f"expected {param.dtype}{list(param.shape)}"
                     )
+                if name == self.cfg.get("drop_tensor"):
+                    continue  # lost without a word
                 _as_bytes(param).copy_(_as_bytes(tensor))  # bytes: works for every dtype
+                if name == self.cfg.get("corrupt_tensor") and param.numel():
+                    _as_bytes(param)[:1].bitwise_not_()
                 self.bytes += tensor.numel() * tensor.element_size()
         except Exception as exc:
             self.run_errors.append(_short(exc))
@@ -241,8 +255,49 @@ def _verify(params: dict[str, Any], ckpt: str, device: Any) -> list[str]:
     return mismatches
 
 
-def _worker_main(ckpt: str, device: int, conn: Connection) -> None:
-    """Allocate the parameters, then serve ("update", seq, handles, cfg) until ("stop",)."""
+def _checker_op(params: dict[str, Any], state: dict[str, Any], op: str, rank: int, tp: int) -> Any:
+    """One worker's part of a weights checker action (fake_checker.Weights, on the GPU)."""
+    import hashlib
+
+    import torch
+    from fake_checker import shard_bytes, tensor_hash
+
+    def host(p: Any) -> Any:
+        return _as_bytes(p).cpu().numpy()
+
+    if op == "snapshot":
+        state["snapshot"] = {n: _as_bytes(p).clone() for n, p in params.items()}
+    elif op == "drop_snapshot":
+        state.pop("snapshot", None)
+    elif op == "reset":
+        for p in params.values():
+            raw = _as_bytes(p)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=raw.device))
+    elif op == "compare":
+        saved = state.get("snapshot")
+        if saved is None:
+            return None
+        return sorted(n for n, p in params.items() if not torch.equal(_as_bytes(p), saved[n]))
+    elif op in ("checksums", "sha256"):
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(item: tuple[str, Any]) -> tuple[str, str]:
+            name, p = item
+            data = host(p)  # (hashlib lets go of the GIL: the threads hash side by side)
+            if op == "sha256":
+                return name, hashlib.sha256(data).hexdigest()
+            return name, tensor_hash(shard_bytes(data, list(p.shape), tp, rank))
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return dict(pool.map(one, params.items()))
+    else:
+        raise ValueError(f"unknown checker op {op!r}")
+    return None
+
+
+def _worker_main(ckpt: str, device: int, conn: Connection, rank: int = 0, tp: int = 1) -> None:
+    """Allocate the parameters, then serve ("update", seq, handles, cfg) and
+    ("checker", seq, op) until ("stop",)."""
     import torch
     import zmq
     from checkpoint_engine.worker import update_weights_from_ipc
@@ -265,10 +320,20 @@ def _worker_main(ckpt: str, device: int, conn: Connection) -> None:
     ready = {"device": device, "uuid": uuid, "param_tensors": len(params), "param_bytes": nbytes}
     conn.send(("ready", ready))
 
+    checker_state: dict[str, Any] = {}
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
             return
+        if msg[0] == "checker":
+            _, seq, op = msg
+            try:
+                conn.send(
+                    ("checker", seq, {"ok": _checker_op(params, checker_state, op, rank, tp)})
+                )
+            except Exception as exc:  # noqa: BLE001 - the HTTP answer reports it
+                conn.send(("checker", seq, {"error": _short(exc)}))
+            continue
         _, seq, handles, cfg = msg
         t0 = time.monotonic()
         if cfg["scrub"]:  # back to dummy weights: what this update misses shows as a mismatch
@@ -346,6 +411,39 @@ def _worker_main(ckpt: str, device: int, conn: Connection) -> None:
 _GONE = ("gone",)  # what _recv returns once a worker has exited
 
 
+class _GpuWeights(Weights):
+    """fake_checker.Weights over the receiver's GPU workers: worker i plays TP rank i."""
+
+    def __init__(self, receiver: ReceiverServer) -> None:
+        self.rx = receiver
+        self.lock = threading.Lock()
+
+    @property  # type: ignore[override]
+    def tp_size(self) -> int:
+        return len(self.rx.devices)
+
+    def snapshot(self) -> None:
+        self.rx.ask_workers("snapshot")
+
+    def drop_snapshot(self) -> None:
+        self.rx.ask_workers("drop_snapshot")
+
+    def reset(self, *, rope_too: bool) -> None:
+        self.rx.ask_workers("reset")  # (no RoPE cache here)
+
+    def differs_from_snapshot(self) -> list[str] | None:
+        (changed,) = self.rx.ask_workers("compare", [0])  # only TP rank 0 answers in SGLang
+        return changed
+
+    def rank_checksums(self, rank: int) -> dict[str, str]:
+        (sums,) = self.rx.ask_workers("checksums", [rank])
+        return sums
+
+    def sha256(self) -> dict[str, str]:
+        (sums,) = self.rx.ask_workers("sha256", [0])
+        return sums
+
+
 class ReceiverServer:
     """FakeServer + GPU workers. Context manager; `start()` returns once parameters exist."""
 
@@ -369,6 +467,7 @@ class ReceiverServer:
         self.config = config or ReceiverConfig()
         self.startup_timeout_s = startup_timeout_s
         self.behaviour = Behaviour(profile=profile, api_key=api_key, on_update=self._on_update)
+        self.behaviour.held = _GpuWeights(self)
         self.behaviour.routes = {
             ("GET", "/receiver/report"): lambda _doc: (200, self.report()),
             ("POST", "/receiver/reset"): self._route_reset,
@@ -386,6 +485,8 @@ class ReceiverServer:
         self._last: list[dict[str, Any] | None] = []  # last update's report per worker
         self._history: list[dict[str, Any]] = []
         self._seq = 0
+        self._checker_seq = 0
+        self._checker_log: list[dict[str, Any]] = []  # the weights checker's ops, timed
 
     # -- life cycle -------------------------------------------------------------------------
     @property
@@ -399,7 +500,7 @@ class ReceiverServer:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=_worker_main,
-                    args=(self.checkpoint_path, dev, child),
+                    args=(self.checkpoint_path, dev, child, len(self._procs), len(self.devices)),
                     name=f"receiver-gpu{dev}",
                     daemon=True,
                 )
@@ -458,6 +559,7 @@ class ReceiverServer:
             for info, last in zip(self._workers, self._last, strict=False):
                 workers.append({**info, **(last or {"update": None})})
             history = list(self._history)
+            checker_ops = list(self._checker_log)
         last_ok = history[-1]["ok"] if history else None
         return {
             "profile": self.behaviour.profile,
@@ -470,11 +572,13 @@ class ReceiverServer:
             "config": asdict(self.config),
             "workers": workers,
             "history": history,
+            "checker_ops": checker_ops,
         }
 
     def reset(self) -> None:
         with self._state_lock:
             self._history.clear()
+            self._checker_log.clear()
             self._last = [None] * len(self.devices)
 
     def set_config(self, **changes: Any) -> ReceiverConfig:
@@ -621,6 +725,36 @@ class ReceiverServer:
             if msg[0] == want and msg[1] == seq:
                 return msg[2]
             # else: a late answer to an update we already gave up on
+
+    # -- the weights checker ----------------------------------------------------------------------
+    def ask_workers(self, op: str, indices: list[int] | None = None) -> list[Any]:
+        """Run a checker op on the workers (all, or `indices`), between updates; their results."""
+        with self._update_lock:
+            if self._verifying is not None:  # the last update's check reads the same pipes
+                self._verifying.join(timeout=float(self.config.worker_timeout_s) + 30.0)
+            self._checker_seq += 1
+            seq = self._checker_seq
+            chosen = list(range(len(self._conns))) if indices is None else indices
+            for i in chosen:
+                if not self._workers[i]["alive"]:
+                    raise RuntimeError(f"the worker for GPU {self.devices[i]} is dead")
+                self._conns[i].send(("checker", seq, op))
+            deadline = time.monotonic() + float(self.config.worker_timeout_s) + 30.0
+            out = []
+            t0 = time.monotonic()
+            for i in chosen:
+                while True:
+                    msg = self._recv(self._conns[i], self._procs[i], deadline)
+                    if msg is None or msg is _GONE:
+                        raise RuntimeError(f"the worker for GPU {self.devices[i]} did not answer")
+                    if msg[0] == "checker" and msg[1] == seq:
+                        break
+                if "error" in msg[2]:
+                    raise RuntimeError(f"GPU {self.devices[i]}: {msg[2]['error']}")
+                out.append(msg[2]["ok"])
+            with self._state_lock:
+                self._checker_log.append({"op": op, "seconds": round(time.monotonic() - t0, 6)})
+            return out
 
     @staticmethod
     def _recv(conn: Connection, proc: Any, deadline: float) -> Any:

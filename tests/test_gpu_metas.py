@@ -74,7 +74,7 @@ def test_save_metas_then_inspect_then_join_refuses(ckpt: Path, tmp_path: Path) -
     assert inspected.returncode == 0, inspected.stderr
     doc = json.loads(inspected.stdout)
     assert doc["checkpoint_name"] == "ck-gpu" and doc["world_size"] == 1
-    assert doc["total_parameters"] == summary["tensors"]
+    assert doc["total_parameters"] == summary["tensor_count"]
 
     with ReceiverServer(ckpt, [0]) as rx:
         t0 = time.monotonic()

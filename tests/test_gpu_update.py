@@ -229,11 +229,11 @@ def test_tp1(
     )
 
 
-@needs_two
 def _torch_shm_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("torch_*")}
 
 
+@needs_two
 def test_tp2_one_server(sharded: Path) -> None:
     # The ranks end with os._exit (no NCCL teardown): torch's CUDA IPC ref-counter files
     # (/dev/shm/torch_<pid>_*) must not be left behind by that, update after update.

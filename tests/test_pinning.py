@@ -98,7 +98,7 @@ def test_a_file_that_shrank_since_planning_is_invalid_input(tmp_path: Path, ckpt
         fh.truncate(victim.stat().st_size - 1000)
     from ckptctl.errors import InvalidInput
 
-    with pytest.raises(InvalidInput, match="changed since it was planned"):
+    with pytest.raises(InvalidInput, match="changed since the checkpoint was planned"):
         pinning.read_share(checkpoint, list(checkpoint.tensors), pin=False)
 
 
@@ -186,7 +186,7 @@ def test_a_failed_read_gives_the_pools_memory_back(
         path = c.path_of(f)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     reader = pinning.ShareReader(c, list(c.tensors), pool=pool, pin=False)
-    with pytest.raises(Exception, match="ends before tensor"):
+    with pytest.raises(Exception, match="changed since the checkpoint was planned"):
         reader.result()
     assert pool.pinned_bytes == 0  # the small pinned one was trimmed as surplus, the new dropped
     assert unpinned == [pinned_before]  # ... and the trimmed one unpinned
@@ -210,7 +210,7 @@ def test_a_failed_read_keeps_a_pooled_buffer_pinned_for_the_next_push(
     for f in b.files:
         path = b.path_of(f)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(Exception, match="ends before tensor"):
+    with pytest.raises(Exception, match="changed since the checkpoint was planned"):
         pinning.ShareReader(b, list(b.tensors), pool=pool, pin=False).result()
     assert pool.pinned_bytes == sum(x.size for x in taken)  # back in the pool, still pinned
     again = pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()

@@ -29,7 +29,7 @@ def test_native_writes_to_fd_1_go_to_stderr_during_a_job() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert json.loads(lines[0]) == {"ok": True}
+    assert json.loads(lines[0]) == {"ok": True, "exit_code": 0, "error": None}
     assert lines[1:] == ["after the job, stdout is stdout again"]
     assert "native noise" in r.stderr and "a stray print" in r.stderr
 

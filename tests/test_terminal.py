@@ -3,16 +3,12 @@ Elsewhere they stay off: plain lines on stderr (covered by the other tests)."""
 
 from __future__ import annotations
 
-import os
-import pty
-import select
-import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from conftest import ckptctl_script
 from fake_server import Behaviour, FakeServer
+from pty_run import run_on_pty
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 
@@ -20,36 +16,8 @@ TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 def _run_on_pty(
     *args: str, timeout: float = 60, on_output: Callable[[str], None] | None = None
 ) -> tuple[int, str, str]:
-    """stderr is a terminal (where Rich draws), stdout a pipe (where results go).
-    `on_output` sees the terminal's text so far after every read (to act on what is shown)."""
-    master, slave = pty.openpty()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "NO_COLOR")}
-    proc = subprocess.Popen(
-        [ckptctl_script(), *args],
-        stdout=subprocess.PIPE,
-        stderr=slave,
-        env={**env, "TERM": "xterm", "COLUMNS": "120"},
-    )
-    os.close(slave)
-    chunks = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([master], [], [], 0.1)
-        if ready:
-            try:
-                data = os.read(master, 65536)
-            except OSError:
-                break
-            if not data:
-                break
-            chunks.append(data)
-            if on_output is not None:
-                on_output(b"".join(chunks).decode(errors="replace"))
-        elif proc.poll() is not None:
-            break
-    os.close(master)
-    out = proc.stdout.read().decode() if proc.stdout else ""
-    return proc.wait(timeout=10), out, b"".join(chunks).decode(errors="replace")
+    """stderr is a terminal (where Rich draws), stdout a pipe (where results go)."""
+    return run_on_pty([ckptctl_script(), *args], columns=120, timeout=timeout, on_output=on_output)
 
 
 def test_wait_ready_spinner_on_a_terminal() -> None:
@@ -125,7 +93,14 @@ def test_checkpoint_path_with_brackets(tmp_path: Path) -> None:
     odd.mkdir(parents=True)
     save_file({"w[0]": torch.ones(3), "b[/bold]": torch.zeros(2)}, str(odd / "model.safetensors"))
     code, out, err = _run_on_pty(
-        "update", "--dry-run", "--checkpoint-path", str(odd), "--world-size", "2"
+        "update",
+        "--dry-run",
+        "--checkpoint-path",
+        str(odd),
+        "--world-size",
+        "2",
+        "--inference-parallel-size",
+        "2",
     )
     assert code == 0, err
     assert "runs[/x]" in out

@@ -45,8 +45,20 @@ def run_script(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
     )
 
 
-def dry_run(*args: str) -> list[str]:
-    return ["update", "--dry-run", *args]
+def dry_run(*args: str, tp: int | None = None) -> list[str]:
+    """One server spanning the whole world (TP = --world-size) unless `tp` says otherwise:
+    the default TP8 would need a world of a multiple of 8."""
+    world = args[args.index("--world-size") + 1] if "--world-size" in args else "1"
+    return ["update", "--dry-run", "--inference-parallel-size", str(tp or world), *args]
+
+
+def plan_fields(doc: dict) -> dict:
+    """The dry run's document less the envelope, the server groups and the renamed count: the
+    plan itself, as Plan.as_json() has it."""
+    drop = {"ok", "exit_code", "error", "groups", "tensor_count"}
+    plan = {k: v for k, v in doc.items() if k not in drop}
+    plan["total_tensors"] = doc["tensor_count"]
+    return plan
 
 
 def test_human_output_has_a_row_per_rank_and_a_summary() -> None:
@@ -56,7 +68,8 @@ def test_human_output_has_a_row_per_rank_and_a_summary() -> None:
     for column in ("rank", "files", "tensors", "bytes", "share", "vs even"):
         assert column in result.stdout
     rows = [line for line in lines if line.startswith("│")]
-    assert len(rows) == 2 and rows[0].split("│")[1].strip() == "0"
+    assert len(rows) == 3 and rows[0].split("│")[1].strip() == "0"  # two ranks, one group
+    assert "server groups" in result.stdout and "http://localhost:19730" in rows[2]
     summary = lines[-1]
     assert "25 tensors in 3 file(s)" in summary and "over 2 rank(s)" in summary
     assert "lower bound" in summary
@@ -70,7 +83,8 @@ def test_json_is_the_plan(split: str) -> None:
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)  # exactly one document, nothing else on stdout
     ckpt = read_checkpoint(TINY)
-    assert doc == plan_split(ckpt, 2, split).as_json()  # type: ignore[arg-type]
+    assert doc["ok"] is True and doc["exit_code"] == 0 and doc["error"] is None
+    assert plan_fields(doc) == plan_split(ckpt, 2, split).as_json()  # type: ignore[arg-type]
     assert doc["world_size"] == 2 and doc["total_bytes"] == ckpt.total_bytes
     if split != "auto":
         assert doc["split"] == split
@@ -81,12 +95,14 @@ def test_json_is_the_plan(split: str) -> None:
 def test_installed_script_prints_the_same_plan() -> None:
     done = run_script(*dry_run("--checkpoint-path", str(TINY), "--world-size", "3", "--json"))
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == plan_split(read_checkpoint(TINY), 3).as_json()
+    assert plan_fields(json.loads(done.stdout)) == plan_split(read_checkpoint(TINY), 3).as_json()
 
 
 def test_sparse_qwen3_8b_plan(tmp_path: Path) -> None:
     root = write_sparse_checkpoint(tmp_path / "qwen3-8b", qwen3_8b())
-    result = invoke(*dry_run("--checkpoint-path", str(root), "--world-size", "8", "--json"))
+    result = invoke(
+        "update", "--dry-run", "--checkpoint-path", str(root), "--world-size", "8", "--json"
+    )
     doc = json.loads(result.stdout)
     assert doc["total_bytes"] == 16_381_470_720
     assert sum(len(r["tensors"]) for r in doc["ranks"]) == 399
@@ -115,7 +131,7 @@ def test_malformed_checkpoint_as_the_installed_script(tmp_path: Path) -> None:
 
 def test_world_size_conflicting_with_torchrun_is_a_usage_error() -> None:
     env = {"RANK": "0", "WORLD_SIZE": "2"}
-    args = dry_run("--checkpoint-path", str(TINY), "--json")
+    args = dry_run("--checkpoint-path", str(TINY), "--json", tp=2)
     conflict = invoke(*args, "--world-size", "3", env=env)
     assert conflict.exit_code == 2 and "WORLD_SIZE=2" in conflict.stderr
     agree = invoke(*args, "--world-size", "2", env=env)
@@ -178,14 +194,25 @@ def test_update_without_a_gpu_fails_early_and_clearly(
 
 def test_seed_flags_are_accepted() -> None:
     result = invoke(
-        *dry_run("--checkpoint-path", str(TINY), "--json"),
+        *dry_run("--checkpoint-path", str(TINY), "--json", "--world-size", "2"),
         *("--endpoint", "http://localhost:1", "--inference-parallel-size", "2"),
         *("--checkpoint-name", "iter-7", "--update-method", "p2p", "--uds", "/tmp/x.sock"),
         *("--weight-version", "v7", "--sleep-time", "3", "--save-metas-file", "/tmp/m.json"),
-        *("--engine", "vllm", "--timeout", "30", "-q"),
+        *("--timeout", "30", "-q"),
     )
     assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["world_size"] == 1
+    doc = json.loads(result.stdout)
+    assert doc["world_size"] == 2
+    assert doc["groups"] == [
+        {
+            "group": 0,
+            "ranks": [0, 1],
+            "leader": 0,
+            "node": 0,
+            "endpoint": "http://localhost:1",
+            "uds": "/tmp/x.sock",
+        }
+    ]
 
 
 def test_dry_run_does_not_import_torch() -> None:
@@ -215,7 +242,7 @@ def test_torchrun_two_ranks_print_one_plan(launch: str) -> None:
         str(torchrun if torchrun.exists() else "torchrun"),
         *("--nproc-per-node", "2", "--master-port", str(free_master_port()), launch),
         *program,
-        *dry_run("--checkpoint-path", str(TINY), "--json"),
+        *dry_run("--checkpoint-path", str(TINY), "--json", tp=2),
     ]
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=120, env=clean_env(OMP_NUM_THREADS="1")
@@ -223,7 +250,7 @@ def test_torchrun_two_ranks_print_one_plan(launch: str) -> None:
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)  # fails if both ranks printed, or anything else did
     expected = invoke(*dry_run("--checkpoint-path", str(TINY), "--world-size", "2", "--json"))
-    assert doc == json.loads(expected.stdout)
+    assert doc == json.loads(expected.stdout)  # (the groups too: LOCAL_WORLD_SIZE is 2)
     assert doc["world_size"] == 2
 
 

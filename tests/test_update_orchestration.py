@@ -72,6 +72,7 @@ def test_one_tp2_server_gets_one_request_with_both_handles() -> None:
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["ok"] and summary["world_size"] == 2 and len(summary["ranks"]) == 2
+    assert summary["verified"] is None  # no --verify
     assert summary["ranks"][0]["stages"]["verify"]["detail"] == "weight version 'step-7'"
     assert "wait_server" in summary["ranks"][1]["stages"]  # every rank met at the barrier
     assert len(posts) == 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,12 +22,20 @@ from operator import attrgetter
 from pathlib import Path, PurePosixPath
 
 from ckptctl.errors import InvalidInput
+from ckptctl.regular_files import FileIdentity, UnfitFile, open_regular, read_regular
 
 INDEX_NAME = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
 # The reference implementation refuses headers above 100 MB; a bigger one is garbage, and
 # refusing it up front keeps us from allocating gigabytes for a corrupt length field.
 MAX_HEADER_BYTES = 100_000_000
+# An index lists each tensor once (~100 bytes each: DeepSeek-V3's 91k tensors take 9 MB): one
+# larger than the largest header is not an index, and is refused before it is read.
+MAX_INDEX_BYTES = MAX_HEADER_BYTES
+# The largest dimension, and product of dimensions, a tensor may have: torch's int64 sizes
+# (safetensors' own limit, usize, is larger). Only a tensor with a 0 in its shape can get
+# near it (any other is bounded by its bytes), and torch fails on it in C++ with a stack trace.
+MAX_ELEMENTS = 2**63 - 1
 
 # Bits per element of every safetensors dtype (the Rust crate's list, plus the FNUZ variants
 # that safetensors' Python side writes). F4 and F6 pack several elements into a byte.
@@ -92,6 +99,9 @@ class Checkpoint:
     index_file: str | None = None  # the index that chose `files`, if any
     ignored_files: tuple[str, ...] = ()  # .safetensors files next to an index that omits them
     file_bytes: dict[str, int] = field(default_factory=dict)  # tensor bytes held by each file
+    # Each file as it was when its header was read: checked again right before its data is
+    # read (`open_planned`), so a file replaced or cut short since is refused, not misread.
+    file_ids: dict[str, FileIdentity] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -128,6 +138,8 @@ def _parse_entry(path: Path, name: str, entry: object) -> tuple[str, tuple[int, 
         ok = False
     if not ok:
         raise _bad_entry(f"{path}: tensor {name!r}", entry)
+    if not bits:  # a 0 in the shape: the other dimensions are not bounded by any bytes
+        _check_empty_shape(path, name, shape)
     if bits % 8 or end - begin != bits // 8:
         need = f"{bits / 8:g}" if bits % 8 else f"{bits // 8}"
         raise _fail(
@@ -137,6 +149,20 @@ def _parse_entry(path: Path, name: str, entry: object) -> tuple[str, tuple[int, 
             CORRUPT,
         )
     return dtype, tuple(shape), begin, end
+
+
+def _check_empty_shape(path: Path, name: str, shape: list[int]) -> None:
+    """Every running product of the dimensions fits torch's sizes (int64)."""
+    product = 1
+    for d in shape:
+        product *= d or 1
+        if product > MAX_ELEMENTS:
+            raise _fail(
+                f"{path}: tensor {name!r}",
+                f"shape {shape} has dimensions beyond {MAX_ELEMENTS} elements, which no tensor "
+                "can have",
+                CORRUPT,
+            )
 
 
 def _is_size(value: object) -> bool:
@@ -161,17 +187,23 @@ def _bad_entry(where: str, entry: object) -> InvalidInput:
 
 def read_file_header(root: Path, file: str) -> list[TensorInfo]:
     """The tensors of one .safetensors file, validated against the file's real size."""
+    return _read_file_header(root, file)[0]
+
+
+def _read_file_header(root: Path, file: str) -> tuple[list[TensorInfo], FileIdentity]:
     path = root / file
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            # A FIFO or device would block or lie about its size: never open one.
-            raise _fail(path, "is not a regular file", "replace it with a real .safetensors file")
+        # A FIFO or device would block or lie about its size: never read one.
+        fd, st = open_regular(path, "a .safetensors file")
+    except UnfitFile as exc:
+        raise _fail(path, exc.problem, "replace it with a real .safetensors file") from None
+    try:
         size = st.st_size
         if size < 8:
             what = "is empty (0 bytes)" if size == 0 else f"is truncated ({size} bytes)"
             raise _fail(path, f"{what}, shorter than the 8-byte header length", CORRUPT)
-        with open(path, "rb") as f:
+        with os.fdopen(fd, "rb") as f:
+            fd = -1  # closed with f
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > size - 8:
                 raise _fail(
@@ -188,6 +220,9 @@ def read_file_header(root: Path, file: str) -> list[TensorInfo]:
         raise _fail(
             path, f"cannot be read ({exc.strerror or exc})", "check its permissions"
         ) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
     if len(raw) != header_len:
         raise _fail(path, "changed size while being read", "retry when nothing is writing it")
 
@@ -227,7 +262,7 @@ def read_file_header(root: Path, file: str) -> list[TensorInfo]:
                 CORRUPT,
             )
         previous = t
-    return tensors
+    return tensors, FileIdentity.of(st)
 
 
 def _list_dir(root: Path) -> list[str]:
@@ -256,12 +291,10 @@ def _read_index(root: Path, index_name: str) -> dict[str, str]:
     index = root / index_name
     action = "regenerate the index, or delete it to load every .safetensors file in the directory"
     try:
-        with open(index, "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except OSError as exc:
-        raise _fail(
-            index, f"cannot be read ({exc.strerror or exc})", "check its permissions"
-        ) from None
+        # Capped and regular only: an index that is a FIFO, /dev/zero or gigabytes is refused.
+        doc = json.loads(read_regular(index, MAX_INDEX_BYTES, "an index").decode("utf-8"))
+    except UnfitFile as exc:
+        raise _fail(index, exc.problem, action) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _fail(index, f"is not valid JSON ({exc})", action) from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -338,8 +371,9 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     tensors: list[TensorInfo] = []
     owner: dict[str, str] = {}
     file_bytes: dict[str, int] = {}
+    file_ids: dict[str, FileIdentity] = {}
     for file in files:
-        infos = read_file_header(root, file)
+        infos, file_ids[file] = _read_file_header(root, file)
         file_bytes[file] = sum(t.nbytes for t in infos)
         for t in infos:
             first = owner.setdefault(t.name, file)
@@ -367,4 +401,32 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         index_file=index_name,
         ignored_files=tuple(sorted(set(on_disk) - set(files))),
         file_bytes=file_bytes,
+        file_ids=file_ids,
     )
+
+
+def open_planned(checkpoint: Checkpoint, file: str) -> int:
+    """A read-only fd of `file`, refused (exit 3) unless it is still the file that was planned:
+    the same inode, size and mtime as when its header was read. Reading a file cut short
+    since would fail halfway (a mapped one with SIGBUS); a replaced one holds other tensors.
+    The caller closes the fd."""
+    path = checkpoint.path_of(file)
+    action = (
+        "the file changed since the checkpoint was planned; wait for the writer to finish and rerun"
+    )
+    try:
+        fd, st = open_regular(path, "a .safetensors file")
+    except UnfitFile as exc:
+        raise _fail(path, exc.problem, action) from None
+    planned = checkpoint.file_ids.get(file)
+    now = FileIdentity.of(st)
+    if planned is not None and now != planned:
+        os.close(fd)
+        if now.size != planned.size:
+            change = f"is {now.size} bytes, but was {planned.size} when planned"
+        elif (now.device, now.inode) != (planned.device, planned.inode):
+            change = "was replaced by another file"
+        else:
+            change = "was modified"
+        raise _fail(path, change, action)
+    return fd

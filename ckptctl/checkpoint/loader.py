@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
+from ckptctl.checkpoint.headers import Checkpoint, TensorInfo, open_planned
 from ckptctl.checkpoint.plan import RankPlan
 from ckptctl.errors import InvalidInput
 
@@ -79,19 +79,29 @@ def torch_layout(t: TensorInfo) -> tuple[torch.dtype, tuple[int, ...]]:
 
 
 def _map_file(checkpoint: Checkpoint, file: str, needed: int) -> mmap.mmap:
+    """A private mapping of `file`, once it is known to be the very file that was planned.
+
+    A mapped file that is cut short kills the process with SIGBUS (exit 135, no message) when
+    checkpoint-engine copies from past its new end: `open_planned` refuses (exit 3) a file
+    whose size, inode or mtime changed since its header was read. What no check can catch is
+    a file truncated *during* the copy, after this point: keep writers away from a checkpoint
+    while it loads (or use --register-mode direct, whose reads fail cleanly on a short file).
+    """
     path = checkpoint.path_of(file)
+    fd = open_planned(checkpoint, file)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < needed:
-                raise InvalidInput(
-                    f"{path}: is {size} bytes, but its header needs {needed}: the file changed "
-                    "since the checkpoint was planned; wait for the writer to finish and rerun"
-                )
-            # ACCESS_COPY = MAP_PRIVATE: writable for torch, but writes never reach the file.
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        size = os.fstat(fd).st_size
+        if size < needed:  # (a checkpoint built without recorded identities)
+            raise InvalidInput(
+                f"{path}: is {size} bytes, but its header needs {needed}: the file changed "
+                "since the checkpoint was planned; wait for the writer to finish and rerun"
+            )
+        # ACCESS_COPY = MAP_PRIVATE: writable for torch, but writes never reach the file.
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot be mapped ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
 
 
 def load_tensors(checkpoint: Checkpoint, tensors: Iterable[TensorInfo]) -> dict[str, torch.Tensor]:

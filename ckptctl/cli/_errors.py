@@ -14,7 +14,7 @@ from typing import Any, NoReturn, TypeVar
 import typer
 
 from ckptctl import results
-from ckptctl.errors import CkptctlError, ExitCode, Interrupted, print_error
+from ckptctl.errors import CkptctlError, ExitCode, Interrupted, print_error, redact
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,18 +64,23 @@ def handle_errors(func: F) -> F:
         except CkptctlError as exc:
             if debug_enabled():
                 if exc.debug_traceback:
-                    sys.stderr.write(exc.debug_traceback)
-                traceback.print_exc()
+                    sys.stderr.write(redact(exc.debug_traceback))
+                _print_traceback()
             _fail(exc.exit_code, str(exc))
         except KeyboardInterrupt:
             _fail(ExitCode.INTERRUPTED, "interrupted")
         except Exception as exc:  # noqa: BLE001 - the last line of defence: never a bare traceback
             if debug_enabled():
-                traceback.print_exc()
+                _print_traceback()
             hint = "" if debug_enabled() else f" (set {DEBUG_ENV}=1 for the traceback)"
             _fail(ExitCode.FAILED, f"internal error: {type(exc).__name__}: {exc}{hint}")
 
     return wrapper  # type: ignore[return-value]
+
+
+def _print_traceback() -> None:
+    """The traceback (CKPTCTL_DEBUG=1), without secrets: it may hold a URL with a password."""
+    sys.stderr.write(redact(traceback.format_exc()))
 
 
 def _fail(code: int, message: str) -> NoReturn:

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 
 from ckptctl import results
+from ckptctl.errors import redact
 from ckptctl.launch import LaunchInfo, launch_info
 
 
@@ -44,17 +45,25 @@ class Output:
     def log(self, message: str) -> None:
         """A progress or diagnostic line on stderr (silenced by --quiet)."""
         if not self.quiet:
-            self.err.print(f"{self._prefix()}{message}", markup=False)
+            self.err.print(f"{self._prefix()}{redact(message)}", markup=False)
 
     def warn(self, message: str) -> None:
-        self.err.print(f"{self._prefix()}warning: {message}", style="yellow", markup=False)
+        self.err.print(f"{self._prefix()}warning: {redact(message)}", style="yellow", markup=False)
 
-    def result(self, doc: dict[str, Any]) -> None:
-        """The command's JSON result: exactly one document on stdout, from rank 0."""
-        if self.is_primary:
+    def result(self, doc: dict[str, Any], *, ok: bool = True) -> None:
+        """The command's JSON result: exactly one document on stdout, from rank 0, in the
+        envelope (results.py). ok=False: the command is about to fail (it raises next); the
+        fields go out with its error and exit code."""
+        if not self.is_primary:
+            return
+        if ok:
             results.write(doc)
+        else:
+            results.keep(doc)
 
-    def show(self, renderable: Any) -> None:
-        """Human-readable results (tables, summaries) on stdout, from rank 0, not with --json."""
+    def show(self, renderable: Any, *, wrap: bool = False) -> None:
+        """Human-readable results (tables, summaries) on stdout, from rank 0, not with --json.
+        wrap: text wraps at the console's width (80 when stdout is not a terminal); by
+        default a long line (a path) stays whole, for whoever greps the output."""
         if self.is_primary and not self.json_mode:
-            self.out.print(renderable)
+            self.out.print(renderable, soft_wrap=not wrap)

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from ckptctl.checkpoint.plan import Plan
 from ckptctl.cli._output import Output
-
-
-def format_bytes(n: float) -> str:
-    """Decimal units, as disk and network figures are quoted (16.38 GB)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+from ckptctl.pipeline.groups import GroupPlan
+from ckptctl.progress import format_bytes
 
 
 def deviation(plan: Plan, nbytes: int) -> float:
@@ -60,12 +58,34 @@ def plan_summary(plan: Plan) -> str:
     return line
 
 
-def show_plan(out: Output, plan: Plan) -> None:
-    """Rank 0 prints the plan: JSON with --json, otherwise the table and the summary."""
+def groups_table(groups: Sequence[GroupPlan]) -> Table:
+    """Which ranks feed which server: one row per group (its leader is its first rank)."""
+    table = Table(title="server groups", title_justify="left")
+    table.add_column("group", justify="right")
+    table.add_column("ranks", justify="right")
+    table.add_column("node", justify="right")
+    table.add_column("server (the first rank sends)", overflow="fold")
+    for g in groups:
+        ranks = f"{g.ranks[0]}-{g.ranks[-1]}" if len(g.ranks) > 1 else str(g.ranks[0])
+        table.add_row(str(g.group), ranks, str(g.node), Text(g.address.describe()))
+    return table
+
+
+def plan_document(plan: Plan, groups: Sequence[GroupPlan]) -> dict[str, Any]:
+    """The dry run's JSON: the plan (the contract's fields first) and the server groups."""
+    doc = plan.as_json()
+    # A count is tensor_count in every document (`tensors` is always a list of names).
+    doc["tensor_count"] = doc.pop("total_tensors", len(plan.checkpoint.tensors))
+    doc["groups"] = [g.as_json() for g in groups]
+    return doc
+
+
+def show_plan(out: Output, plan: Plan, groups: Sequence[GroupPlan]) -> None:
+    """Rank 0 prints the plan: JSON with --json, otherwise the tables and the summary."""
     if out.json_mode:
-        out.result(plan.as_json())
+        out.result(plan_document(plan, groups))
         return
-    out.show(Group(plan_table(plan), plan_summary(plan)))
+    out.show(Group(plan_table(plan), groups_table(groups), plan_summary(plan)))
     idle = [r.rank for r in plan.ranks if not r.tensors]
     if idle and out.is_primary:
         out.warn(

@@ -10,19 +10,24 @@ import typer
 
 from ckptctl.cli._choices import EngineChoice
 from ckptctl.cli._options import (
+    CHECKPOINT,
+    AllowPickleOpt,
     ApiKeyOpt,
     CheckpointNameOpt,
     EndpointsOpt,
     EngineOpt,
+    HelpOpt,
     InferenceParallelSizeOpt,
     JsonOpt,
     QuietOpt,
     TimeoutOpt,
     UdsListOpt,
     VerboseOpt,
+    VerifyOpt,
     WeightVersionOpt,
 )
 from ckptctl.cli._output import Output
+from ckptctl.defaults import DEFAULT_ENDPOINT
 
 
 def join_command(
@@ -30,29 +35,26 @@ def join_command(
         Path,
         typer.Option(
             "--load-metas-file",
-            help="Metas file written by `ckptctl save-metas` (or `update --save-metas-file`).",
+            metavar="FILE",
             show_default=False,
+            rich_help_panel=CHECKPOINT,
+            help="Metas file written by `ckptctl save-metas` (or `update --save-metas-file`).",
         ),
     ],
-    endpoint: EndpointsOpt = None,
-    uds: UdsListOpt = None,
-    inference_parallel_size: InferenceParallelSizeOpt = 8,
     checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
+    allow_pickle: AllowPickleOpt = False,
+    endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
+    uds: UdsListOpt = None,
     engine: EngineOpt = EngineChoice.sglang,
+    inference_parallel_size: InferenceParallelSizeOpt = 8,
     weight_version: WeightVersionOpt = None,
-    allow_pickle: Annotated[
-        bool,
-        typer.Option(
-            "--allow-pickle",
-            help="Also read a legacy pickle metas file, through a restricted unpickler that "
-            "admits only checkpoint-engine's data models, torch dtypes/sizes and builtins.",
-        ),
-    ] = False,
-    timeout: TimeoutOpt = 600.0,
+    timeout: TimeoutOpt = 600,
     api_key: ApiKeyOpt = None,
+    verify: VerifyOpt = False,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Take a checkpoint from running holders over p2p and push it into this node's server.
 
@@ -62,8 +64,10 @@ def join_command(
     from ckptctl.cli._job_view import run_job_with_display
     from ckptctl.pipeline.groups import ServerTargets
     from ckptctl.pipeline.metas_jobs import JoinOptions, run_join
+    from ckptctl.verify import requested
 
     out = Output(json_mode=json_output, quiet=quiet)
+    wanted = requested(verify=verify, round_trip=False, reset_confirmed=False, engine=engine.value)
     opts = JoinOptions(
         load_metas_file=str(load_metas_file),
         checkpoint_name=checkpoint_name,
@@ -77,6 +81,7 @@ def join_command(
         ),
         allow_pickle=allow_pickle,
         timeout=timeout,
+        verify=wanted is not None,
         verbose=verbose,
     )
     run_job_with_display(run_join, opts, out)

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckptctl.cli._options import JsonOpt, QuietOpt
+from ckptctl.cli._options import CHECKPOINT, AllowPickleOpt, HelpOpt, JsonOpt, QuietOpt
 from ckptctl.cli._output import Output
-from ckptctl.cli._plan_view import format_bytes
 from ckptctl.errors import OperationFailed
+from ckptctl.progress import format_bytes
 
 if TYPE_CHECKING:
     from ckptctl.metas import CheckpointTensor, Difference, MetasSummary
@@ -22,33 +22,27 @@ def inspect_metas_command(
     file: Annotated[
         Path,
         typer.Argument(
-            help="A metas file (ckptctl's JSON, or a legacy pickle with --allow-pickle).",
+            metavar="FILE",
             show_default=False,
+            help="A metas file (ckptctl's JSON, or a legacy pickle with --allow-pickle).",
         ),
     ],
     checkpoint_path: Annotated[
         Path | None,
         typer.Option(
             "--checkpoint-path",
+            metavar="DIR",
+            rich_help_panel=CHECKPOINT,
             help="Also check the metas against this checkpoint's safetensors headers "
             "(names, dtypes, shapes, sizes); any difference is exit 1.",
         ),
     ] = None,
-    allow_pickle: Annotated[
-        bool,
-        typer.Option(
-            "--allow-pickle",
-            help="Read a legacy pickle metas file (the seed script's) through a restricted "
-            "unpickler that admits only checkpoint-engine's metas classes.",
-        ),
-    ] = False,
+    allow_pickle: AllowPickleOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
-    """Summarise a metas file: per owner rank, totals, dtypes, largest tensors. Needs no GPU.
-
-    Example: [bold]ckptctl inspect-metas metas.json --checkpoint-path /models/Qwen3-8B[/bold]
-    """
+    """Summarise a metas file: per owner rank, totals, dtypes, largest tensors. Needs no GPU."""
     from ckptctl.metas import compare_with_checkpoint, read_metas_file, summarize
 
     out = Output(json_mode=json_output, quiet=quiet)
@@ -70,7 +64,7 @@ def inspect_metas_command(
                 "ok": not diffs,
                 "differences": [d.as_json() for d in diffs],
             }
-        out.result(doc)
+        out.result(doc, ok=not diffs)
     else:
         _show(out, summary)
         if diffs is not None:

@@ -9,58 +9,75 @@ import typer
 
 from ckptctl.cli._choices import RegisterModeChoice, SplitChoice
 from ckptctl.cli._options import (
+    CHECKPOINT,
+    TRANSFER,
     CheckpointNameOpt,
     CheckpointPathOpt,
+    HelpOpt,
     JsonOpt,
     QuietOpt,
     RegisterModeOpt,
     SplitOpt,
     TimeoutOpt,
     VerboseOpt,
+    at_least,
 )
 from ckptctl.cli._output import Output
+from ckptctl.errors import UsageError
 
 
 def save_metas_command(
     checkpoint_path: CheckpointPathOpt,
     metas_file: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--metas-file",
-            "--save-metas-file",
-            help="Where rank 0 writes the metas file (JSON, checksummed, written atomically).",
+            metavar="FILE",
             show_default=False,
+            rich_help_panel=CHECKPOINT,
+            help="Where rank 0 writes the metas file (JSON, checksummed, written atomically). "
+            "Required. (--save-metas-file, as `update` calls it, works too.)",
         ),
-    ],
+    ] = None,
+    save_metas_file: Annotated[
+        Path | None, typer.Option("--save-metas-file", hidden=True, show_default=False)
+    ] = None,
     checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
     split: SplitOpt = SplitChoice.auto,
+    register_mode: RegisterModeOpt = RegisterModeChoice.engine,
     sleep_time: Annotated[
         float | None,
         typer.Option(
             "--sleep-time",
-            min=0,
+            metavar="SECONDS",
+            callback=at_least(0),
+            show_default=False,
+            rich_help_panel=TRANSFER,
             help="Serve the weights for this many seconds, then unregister and exit 0. "
             "Default: until SIGTERM or SIGINT (then the same, cleanly).",
-            show_default=False,
         ),
     ] = None,
-    timeout: TimeoutOpt = 600.0,
-    register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    timeout: TimeoutOpt = 600,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Register a checkpoint on every rank, write its metas file, and serve it to joiners.
 
     Needs one GPU per rank (torchrun). The file is joinable only where checkpoint-engine's p2p
     store runs (mooncake + RDMA); otherwise a warning says so. --timeout bounds the loading,
-    not the serving. Example:
-    [bold]torchrun --nproc-per-node 8 --no-python ckptctl save-metas --checkpoint-path DIR --metas-file metas.json[/bold]
+    not the serving.
     """
     from ckptctl.cli._job_view import run_job_with_display
     from ckptctl.pipeline.metas_jobs import SaveMetasOptions, run_save_metas
 
     out = Output(json_mode=json_output, quiet=quiet)
+    if metas_file is not None and save_metas_file is not None and metas_file != save_metas_file:
+        raise UsageError("--metas-file and --save-metas-file name two files: give one")
+    metas_file = metas_file or save_metas_file
+    if metas_file is None:
+        raise UsageError("--metas-file is required: where rank 0 writes the metas file")
     opts = SaveMetasOptions(
         checkpoint_path=str(checkpoint_path),
         metas_file=str(metas_file),

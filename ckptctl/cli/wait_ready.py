@@ -11,25 +11,35 @@ from ckptctl.cli._choices import EngineChoice, ReadyCondition
 from ckptctl.cli._errors import raise_if_interrupted
 from ckptctl.cli._options import (
     DEFAULT_ENDPOINT,
+    WAITING,
     ApiKeyOpt,
     EndpointOpt,
     EngineOpt,
+    HelpOpt,
     JsonOpt,
     QuietOpt,
     UdsOpt,
+    at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.errors import DeadlineExceeded, UsageError
+from ckptctl.errors import DeadlineExceeded, UsageError, redact
+
+# Without a terminal, a line at least this often while nothing changes, so that a log shows
+# the wait is alive (one attempt takes at most --attempt-timeout, so at most that long if more).
+HEARTBEAT_S = 10.0
 
 
 def wait_ready_command(
     endpoint: EndpointOpt = DEFAULT_ENDPOINT,
     uds: UdsOpt = None,
     engine: EngineOpt = EngineChoice.sglang,
+    api_key: ApiKeyOpt = None,
     for_: Annotated[
         ReadyCondition,
         typer.Option(
             "--for",
+            metavar="STATE",
+            rich_help_panel=WAITING,
             help="listening: the server answers HTTP at all (SGLang's 503 while it waits for "
             "its first weights counts); healthy: its health endpoint answers 200.",
         ),
@@ -38,28 +48,49 @@ def wait_ready_command(
         str | None,
         typer.Option(
             "--weight-version",
+            metavar="VERSION",
+            rich_help_panel=WAITING,
             help="Also wait until the server reports this weight version (SGLang only).",
         ),
     ] = None,
     timeout: Annotated[
-        float, typer.Option("--timeout", min=0.0, help="Give up after this many seconds (exit 4).")
-    ] = 300.0,
+        float,
+        typer.Option(
+            "--timeout",
+            metavar="SECONDS",
+            callback=at_least(0),
+            rich_help_panel=WAITING,
+            help="Give up after this many seconds (exit 4).",
+        ),
+    ] = 300,
     interval: Annotated[
-        float, typer.Option("--interval", min=0.01, help="Seconds between attempts.")
+        float,
+        typer.Option(
+            "--interval",
+            metavar="SECONDS",
+            callback=at_least(0.01),
+            rich_help_panel=WAITING,
+            help="Seconds between attempts.",
+        ),
     ] = 0.5,
     attempt_timeout: Annotated[
         float,
         typer.Option(
-            "--attempt-timeout", min=0.05, help="Seconds one attempt may wait for an answer."
+            "--attempt-timeout",
+            metavar="SECONDS",
+            callback=at_least(0.05),
+            rich_help_panel=WAITING,
+            help="Seconds one attempt may wait for an answer.",
         ),
-    ] = 5.0,
-    api_key: ApiKeyOpt = None,
+    ] = 5,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Wait until the inference server answers (or is healthy, or serves a weight version).
 
-    Example: [bold]ckptctl wait-ready --timeout 600 && torchrun ... ckptctl update ...[/bold]
+    A server that answers 404 where SGLang and vLLM answer is neither: that ends the wait at
+    once (exit 1), not at --timeout.
     """
     from rich.text import Text
 
@@ -74,6 +105,7 @@ def wait_ready_command(
     out.log(f"waiting up to {timeout:g}s for {address.describe()} to be {goal}")
 
     last_status: list[str] = []
+    last_line_at = [0.0]  # elapsed seconds when the last plain line was written
     status_ctx = (
         out.err.status(Text(f"waiting for {address.describe()}"), spinner="dots")
         if out.interactive
@@ -86,13 +118,20 @@ def wait_ready_command(
             status_ctx.update(  # type: ignore[union-attr]
                 # Text(): what the server says is shown as is, never read as Rich markup.
                 Text(
-                    f"waiting for {address.describe()} to be {goal} · {elapsed:.1f}s · "
-                    f"{attempts} attempts · last: {probe.status}"
+                    redact(
+                        f"waiting for {address.describe()} to be {goal} · {elapsed:.1f}s · "
+                        f"{attempts} attempts · last: {probe.status}"
+                    )
                 )
             )
         elif not last_status or last_status[-1] != probe.status:
-            # Without a terminal: one line per change of state, not one per poll.
+            # Without a terminal: one line per change of state, not one per poll...
             out.log(f"{elapsed:6.1f}s  {probe.status}")
+            last_line_at[0] = elapsed
+        elif elapsed - last_line_at[0] >= HEARTBEAT_S:
+            # ...and one every HEARTBEAT_S while nothing changes.
+            out.log(f"{elapsed:6.1f}s  still waiting ({attempts} attempts): {probe.status}")
+            last_line_at[0] = elapsed
         last_status.append(probe.status)
 
     prober = Prober(address, engine.value, for_.value, weight_version)
@@ -109,7 +148,7 @@ def wait_ready_command(
         prober.close()
 
     if json_output:
-        out.result(result.as_json())
+        out.result(result.as_json(), ok=result.ready)  # not ready: the timeout error follows
     if not result.ready:
         raise DeadlineExceeded(
             f"{address.describe()} was not {goal} within {timeout:g}s "

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptctl import __version__
 from ckptctl.errors import InvalidInput, OperationFailed
+from ckptctl.regular_files import UnfitFile, read_regular
 
 if TYPE_CHECKING:
     from checkpoint_engine.data_types import MemoryBufferMetaList
@@ -244,20 +245,12 @@ def read_metas_file(path: str | os.PathLike[str], *, allow_pickle: bool = False)
 
 
 def _read_capped(path: Path) -> bytes:
+    """The file's bytes: a regular file only (a FIFO would block, /dev/zero never end), and
+    refused from its size, before it is read, when larger than any metas file."""
     try:
-        with path.open("rb") as f:
-            data = f.read(MAX_METAS_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise InvalidInput(f"metas file {path} does not exist") from None
-    except IsADirectoryError:
-        raise InvalidInput(f"{path} is a folder, not a metas file") from None
-    except OSError as exc:
-        raise InvalidInput(f"cannot read metas file {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_METAS_FILE_BYTES:
-        raise InvalidInput(
-            f"{path} is larger than {MAX_METAS_FILE_BYTES // 2**20} MiB, the most a metas file "
-            "may be; it is not a metas file"
-        )
+        data = read_regular(path, MAX_METAS_FILE_BYTES, "a metas file")
+    except UnfitFile as exc:
+        raise InvalidInput(f"metas file {path} {exc.problem}") from None
     if not data:
         raise InvalidInput(f"{path} is empty (was it cut short while being written?)")
     return data

@@ -83,6 +83,53 @@ def assign_group(
     return GroupAssignment(rank, group, leader, members, address)
 
 
+@dataclass(frozen=True)
+class GroupPlan:
+    """One server group of a job: its ranks, its leader, the node it runs on, its server."""
+
+    group: int
+    ranks: tuple[int, ...]
+    node: int
+    address: ServerAddress
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "group": self.group,
+            "ranks": list(self.ranks),
+            "leader": self.ranks[0],
+            "node": self.node,
+            "endpoint": self.address.endpoint,
+            "uds": self.address.uds,
+        }
+
+
+def plan_groups(
+    *,
+    world_size: int,
+    local_world_size: int,
+    parallel_size: int,
+    endpoints: list[str],
+    uds: list[str],
+) -> list[GroupPlan]:
+    """Every group of a job of `world_size` ranks, `local_world_size` per node, and the server
+    its leader talks to: what each rank's `assign_group` decides, worked out for all of them
+    at once (the dry run shows it; it refuses what a real run would refuse)."""
+    local = max(min(local_world_size, world_size), 1)
+    out = []
+    for leader in range(0, world_size, max(parallel_size, 1)):
+        a = assign_group(
+            rank=leader,
+            world_size=world_size,
+            local_world_size=local,
+            parallel_size=parallel_size,
+            endpoints=endpoints,
+            uds=uds,
+        )
+        assert a.address is not None  # a leader always has one
+        out.append(GroupPlan(a.group, a.members, leader // local, a.address))
+    return out
+
+
 def group_handles(socket_paths: list[tuple[str, str]], members: tuple[int, ...]) -> dict[str, str]:
     """checkpoint-engine gives (device uuid, zmq path) for every rank, in rank order."""
     return dict(socket_paths[members[0] : members[-1] + 1])
@@ -123,6 +170,15 @@ class ServerTargets:
             engine,
             parallel_size,
             weight_version,
+        )
+
+    def plan(self, world_size: int, local_world_size: int) -> list[GroupPlan]:
+        return plan_groups(
+            world_size=world_size,
+            local_world_size=local_world_size,
+            parallel_size=self.parallel_size,
+            endpoints=list(self.endpoints),
+            uds=list(self.uds),
         )
 
     def assign(self, launch: LaunchInfo) -> GroupAssignment:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from ckptctl.errors import CkptctlError, ExitCode, OperationFailed
 from ckptctl.launch import LaunchInfo, launch_info
 from ckptctl.pipeline.coordination import PAST_DEADLINE_S, Coordinator, Watchdog
+from ckptctl.pipeline.node_progress import NodeProgress
 from ckptctl.progress import Reporter
 
 T = TypeVar("T")
@@ -101,6 +102,9 @@ def bucket_size_env(gb: float) -> str:
     return repr(mib / 1024)
 
 
+_P2P_NOTICE = "fail to initialize p2p store"
+
+
 def configure_engine_logging(verbose: bool, debug: bool) -> None:
     """checkpoint-engine logs through loguru: keep its INFO chatter and tracebacks for -v / debug."""
     from loguru import logger
@@ -116,7 +120,13 @@ def configure_engine_logging(verbose: bool, debug: bool) -> None:
         when = f"{record['time']:%H:%M:%S.%f} " if verbose or debug else ""
         return f"[rank {rank}] {when}checkpoint-engine: {text}\n" + ("{exception}" if debug else "")
 
-    logger.add(sys.stderr, level=level, format=fmt, backtrace=debug, diagnose=False)
+    def wanted(record: Any) -> bool:
+        # checkpoint-engine warns that it could not start its p2p store whenever mooncake is
+        # missing or blocked, also when nobody asked for p2p; when p2p was asked for, our own
+        # error (or save_metas' warning) says it better.
+        return verbose or debug or _P2P_NOTICE not in str(record["message"])
+
+    logger.add(sys.stderr, level=level, format=fmt, filter=wanted, backtrace=debug, diagnose=False)
 
 
 def run_job(
@@ -134,6 +144,7 @@ def run_job(
         launch, coordinator, timeout_s=timeout, describe_stage=lambda: reporter.figures.current
     )
     configure_engine_logging(verbose, debug)
+    node = NodeProgress.start(launch, coordinator, reporter)  # rank 0 draws the whole node
     with watchdog:
         try:
             return body(Job(launch, coordinator, watchdog, reporter))
@@ -146,3 +157,6 @@ def run_job(
             if coordinator is not None:
                 coordinator.publish_abort(ExitCode.FAILED, f"{type(exc).__name__}: {exc}")
             raise OperationFailed(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if node is not None:
+                node.stop()

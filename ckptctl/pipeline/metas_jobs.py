@@ -18,6 +18,7 @@ from ckptctl.errors import InvalidInput
 from ckptctl.pipeline import stages
 from ckptctl.pipeline.groups import ServerTargets
 from ckptctl.pipeline.job import Job, prepare_environment, run_job
+from ckptctl.pipeline.verification import check_offers, check_weights
 from ckptctl.progress import Reporter
 
 
@@ -43,7 +44,7 @@ def run_save_metas(
 
     def body(job: Job) -> dict[str, Any]:
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split)
-        reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
+        reader = stages.prefetch_share(checkpoint, share, opts.register_mode, reporter=job.reporter)
         session = stages.start_parameter_server(job, p2p="optional" if missing is None else "off")
         stages.register_share(
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
@@ -63,7 +64,7 @@ def run_save_metas(
             "split": plan.split,
             "world_size": launch.world_size,
             "total_bytes": checkpoint.total_bytes,
-            "tensors": len(checkpoint.tensors),
+            "tensor_count": len(checkpoint.tensors),
             "joinable": session.p2p_enabled,
             "why_not_joinable": None if session.p2p_enabled else (missing or session.p2p_error),
             "served": ended,
@@ -80,6 +81,7 @@ class JoinOptions:
     servers: ServerTargets = field(default_factory=ServerTargets)
     allow_pickle: bool = False
     timeout: float = 600.0
+    verify: bool = False  # --verify: per-engine agreement (nothing registered here to hash)
     verbose: bool = False
 
 
@@ -111,6 +113,9 @@ def run_join(opts: JoinOptions, reporter: Reporter, *, debug: bool = False) -> d
     def body(job: Job) -> dict[str, Any]:
         session = stages.start_parameter_server(job, p2p="required")
         stages.wait_for_server(job, assignment, servers.engine)
+        verification = None
+        if opts.verify:
+            verification = check_offers(job, assignment, round_trip=False, hashes_available=False)
         stages.build_group(job, session)
         stages.gather_metas(job, session, opts.checkpoint_name)  # our own pool is empty
         session.load_metas(metas_file.metas)
@@ -137,10 +142,13 @@ def run_join(opts: JoinOptions, reporter: Reporter, *, debug: bool = False) -> d
         )
         if servers.weight_version is not None:
             stages.verify_weight_version(job, assignment, servers.engine, servers.weight_version)
+        verified = check_weights(job, assignment, verification) if verification else None
         return {
             "ok": True,
             "metas_file": opts.load_metas_file,
             "checkpoint_name": opts.checkpoint_name,
+            "verified": verified["how"] if verified else None,
+            "verification": verified,
             "world_size": launch.world_size,
             "ranks": job.gather_figures(job.figures(group=assignment.group)),
         }

@@ -7,6 +7,9 @@
   * every reply is seen: checkpoint-engine throws away the reply to the LAST bucket, so an
     error while the server loads it would otherwise pass as success;
   * sends and receives are bounded: a REQ socket with no peer blocks forever.
+- A failed p2p read (the holder is gone, or died mid-transfer) ends the transfer at once:
+  checkpoint-engine would wait forever for the server's worker, which waits for the next
+  bucket (`watch_p2p_reads`).
 - checkpoint files are never handed over as `files=`: for /dev/shm files checkpoint-engine
   pins them in place and DELETES them. We hand over read-only views of the file mapping -
   unless the user asks for exactly that with --consume-shm-files (register_files).
@@ -16,9 +19,11 @@ This module imports torch and checkpoint-engine; the CLI imports it only inside 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import glob
 import importlib.util
+import math
 import os
 import sys
 import threading
@@ -26,7 +31,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ckptctl.errors import InvalidInput, OperationFailed, print_error
+from ckptctl.errors import ExitCode, InvalidInput, OperationFailed, print_error
 from ckptctl.pipeline.coordination import PAST_DEADLINE_S
 
 
@@ -35,6 +40,22 @@ def block_mooncake() -> None:
     for name in ("mooncake", "mooncake.engine"):
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]
+
+
+def prefer_system_unwinder() -> None:
+    """Put the system's libgcc_s in the global symbol scope before mooncake loads.
+
+    mooncake-transfer-engine's wheel (0.3.9) bundles libunwind, which exports
+    `_Unwind_RaiseException` as libgcc_s does. In a process that loaded torch and zmq first, a
+    C++ exception thrown inside mooncake - a refused connection to a holder that is gone - is
+    then unwound half by one library and half by the other: the process aborts or segfaults
+    (seen on CPU) instead of mooncake returning its error. With libgcc_s global, every library
+    unwinds with it (tests/test_p2p_cpu.py, where mooncake loads).
+    """
+    import ctypes
+
+    with contextlib.suppress(OSError):  # no such library (not glibc): nothing to prefer
+        ctypes.CDLL("libgcc_s.so.1", mode=ctypes.RTLD_GLOBAL)
 
 
 def p2p_missing() -> str | None:
@@ -67,11 +88,16 @@ def _hint(exc: Exception, p2p: str) -> str:
 class ReplyWatchingSocket:
     """A stand-in for the PS's zmq REQ socket that keeps every non-empty (error) reply."""
 
-    def __init__(self, socket: Any, timeout_ms: int) -> None:
+    def __init__(
+        self, socket: Any, timeout_ms: int, on_bucket: Callable[[int], None] | None = None
+    ) -> None:
         import zmq
 
         self._socket = socket
         self.errors: list[str] = []
+        # Progress: called with a bucket's bytes once the worker's reply says it has loaded it.
+        self.on_bucket = on_bucket
+        self._bucket_in_flight = 0
         self._nones_sent = 0
         self.handle: Any = None  # the first message: the CUDA IPC handle of the PS's buffer
         self._replies = 0
@@ -91,6 +117,8 @@ class ReplyWatchingSocket:
             self._nones_sent += 1
         elif self.handle is None:
             self.handle = obj
+        elif isinstance(obj, list):  # a bucket's metas: [{name, dtype, shape, offset}, ...]
+            self._bucket_in_flight = bucket_bytes(obj)
         sent = self._socket.send_pyobj(obj, *args, **kwargs)
         self.handle_sent.set()
         return sent
@@ -98,6 +126,9 @@ class ReplyWatchingSocket:
     def recv(self, *args: Any, **kwargs: Any) -> bytes:
         reply = self._socket.recv(*args, **kwargs)
         self._replies += 1
+        if self._bucket_in_flight and reply == b"" and self.on_bucket is not None:
+            self.on_bucket(self._bucket_in_flight)
+        self._bucket_in_flight = 0
         if reply != b"":
             self.errors.append(reply.decode("utf-8", errors="replace"))
             if self._replies == 1 and reply.startswith(RESCUE_PREFIX.encode()):
@@ -118,8 +149,66 @@ class ReplyWatchingSocket:
                 label="warning",
             )
 
+    def abort(self, message: str, timeout_s: float = 10.0) -> bool:
+        """Tell the server's worker to give up this transfer, as checkpoint-engine does when a
+        worker failed: take the reply the worker owes us, then send it an exception, which it
+        raises. Its server then answers the update with an error and stays usable, instead of
+        waiting forever for a bucket that will never come. Only while a message of ours is
+        waiting for its reply - at every point of checkpoint-engine's bucket loop where it reads
+        over p2p. False if the worker did not take part (or not in time)."""
+        import zmq
+
+        if not self.handle_sent.is_set():
+            return False
+        self._socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        try:
+            self.recv()
+            self._socket.send_pyobj(RuntimeError(f"ckptctl: {message}"))
+        except zmq.ZMQError:
+            return False
+        return True
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._socket, name)
+
+
+def bucket_bytes(metas: list[Any]) -> int:
+    """The bytes of the tensors a bucket's metas name (dtype × shape; 0 for what is not such a
+    list): what the worker copies out of the IPC buffer for it."""
+    total = 0
+    for meta in metas:
+        try:
+            total += math.prod(meta["shape"]) * meta["dtype"].itemsize
+        except (KeyError, TypeError, AttributeError):
+            continue
+    return total
+
+
+def watch_p2p_reads(store: Any, on_failed_read: Callable[[str], None]) -> None:
+    """Make a failed p2p read of checkpoint-engine's `P2PStore` call `on_failed_read` (with one
+    line that names the holder) before it raises.
+
+    checkpoint-engine asserts that mooncake's `batch_transfer_sync_read` returned 0, inside its
+    bucket loop; its `finally` then joins the request thread, whose server's worker waits for
+    the next bucket with no timeout: a holder that is gone would hang the joiner (and wedge the
+    server) until --timeout. `on_failed_read` ends the transfer instead.
+    """
+    read = store.batch_transfer_sync_read
+
+    def checked_read(target: str, buf_ptrs: Any, remote_ptrs: Any, lens: Any) -> Any:
+        try:
+            return read(target, buf_ptrs, remote_ptrs, lens)
+        except Exception as exc:  # noqa: BLE001 - mooncake's failure is a bare AssertionError
+            why = f": {type(exc).__name__}: {exc}" if str(exc) else ""
+            message = (
+                f"p2p read of {sum(lens)} bytes from the holder at {target} failed{why} "
+                "(the holder is gone, or its network is unreachable)"
+            )
+            on_failed_read(message)
+            raise OperationFailed(message) from None
+
+    store.batch_transfer_sync_read = checked_read
 
 
 def release_ipc_reference(handle: Any) -> bool:
@@ -225,19 +314,29 @@ class ParameterServerSession:
     """One rank's ParameterServer and what we need around it."""
 
     def __init__(
-        self, *, p2p: str, io_timeout: Callable[[], float], group_store: Any = None
+        self,
+        *,
+        p2p: str,
+        io_timeout: Callable[[], float],
+        group_store: Any = None,
+        on_failure: Callable[[int, str], None] | None = None,
     ) -> None:
         """p2p: "off" (mooncake is never imported), "optional" (use it if it starts: joinable
         metas), or "required" (p2p/all updates, join). group_store: the job's store, where
-        the ranks meet to build the NCCL group (None for a job of one process)."""
+        the ranks meet to build the NCCL group (None for a job of one process). on_failure:
+        where a failure that checkpoint-engine would sit on goes (the watchdog's `fail`)."""
         if p2p == "off":
             block_mooncake()
+        else:
+            prefer_system_unwinder()
         import torch
 
         if not torch.cuda.is_available():
+            # (Every GPU command comes here - update, save-metas, join, serve: only `update`
+            # has a --dry-run, so the hint names the command.)
             raise OperationFailed(
-                "no CUDA device: update needs one GPU per rank "
-                "(use --dry-run to plan a split without a GPU)"
+                "no CUDA device: every rank needs one GPU (check CUDA_VISIBLE_DEVICES); "
+                "`ckptctl update --dry-run` plans a split without one"
             )
         from ckptctl.pipeline.process_group import BackgroundProcessGroup, local_device_index
 
@@ -268,7 +367,16 @@ class ParameterServerSession:
         if p2p == "required" and self.ps._p2p_store is None:
             raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
         self.sockets: list[ReplyWatchingSocket] = []  # the current update's (one per bind)
+        # Set by the update stage: called with each bucket's bytes once the worker loaded it.
+        self.on_bucket_loaded: Callable[[int], None] | None = None
         self._wrap_socket_factory()
+        self._on_failure = on_failure
+        if self.ps._p2p_store is not None:
+            watch_p2p_reads(self.ps._p2p_store, self._p2p_read_failed)
+
+    def _bucket_loaded(self, nbytes: int) -> None:
+        if self.on_bucket_loaded is not None:
+            self.on_bucket_loaded(nbytes)
 
     def _wrap_socket_factory(self) -> None:
         bind = getattr(self.ps, "_bind_zmq_socket", None)
@@ -282,11 +390,19 @@ class ParameterServerSession:
             socket, paths = bind()
             # Past the deadline (they raced on 2x H200: exit 1 instead of the watchdog's 4).
             timeout_ms = max(int((self._io_timeout() + PAST_DEADLINE_S) * 1000), 1)
-            watched = ReplyWatchingSocket(socket, timeout_ms)
+            watched = ReplyWatchingSocket(socket, timeout_ms, on_bucket=self._bucket_loaded)
             self.sockets.append(watched)
             return watched, paths
 
         self.ps._bind_zmq_socket = bind_watched
+
+    def _p2p_read_failed(self, message: str) -> None:
+        """Abort the server's worker (so that it does not wait for the next bucket), then fail
+        the job: the other ranks sit in the bucket's broadcast until the watchdog ends them."""
+        if self.sockets:
+            self.sockets[-1].abort(message)
+        if self._on_failure is not None:
+            self._on_failure(ExitCode.FAILED, message)
 
     @property
     def device_uuid(self) -> str:
@@ -316,6 +432,12 @@ class ParameterServerSession:
         pool[name] = buffers
         if self.ps._p2p_store is not None:
             self.ps._register_parameters_to_p2p_store(name)
+
+    def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
+        """(tensor name, its bytes) for every tensor this rank registered as `name`: views of
+        the pinned buffers the update sends from, whichever way they were registered. (A rank
+        whose share is empty registered nothing.)"""
+        return buffer_views(self.ps._memory_pool.get(name, []))
 
     def gather(self, name: str) -> None:
         self.ensure_group()
@@ -413,3 +535,19 @@ class ParameterServerSession:
             return
         del self.ps._memory_pool[name]
         pool.give_back(buffers)
+
+
+def buffer_views(buffers: list[Any]) -> list[tuple[str, memoryview]]:
+    """(name, bytes) of every tensor in checkpoint-engine `MemoryBuffer`s: each buffer holds its
+    metas' tensors back to back, each at an offset rounded up to `aligned_size`."""
+    import math
+
+    out: list[tuple[str, memoryview]] = []
+    for buf in buffers:
+        flat = memoryview(buf.buffer.numpy()).cast("B")
+        offset = 0
+        for meta in buf.metas:
+            nbytes = meta.dtype.itemsize * math.prod(meta.shape)
+            out.append((meta.name, flat[offset : offset + nbytes]))
+            offset += meta.aligned_size
+    return out

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
+from ckptctl.checkpoint.headers import Checkpoint, TensorInfo, open_planned
 from ckptctl.errors import InvalidInput, OperationFailed
 
 if TYPE_CHECKING:
@@ -74,9 +74,14 @@ def _read_jobs(bucket: HostBucket) -> Iterator[tuple[TensorInfo, int, int, int]]
 
 
 def fill(
-    checkpoint: Checkpoint, buckets: list[HostBucket], buffers: list[Any], threads: int
+    checkpoint: Checkpoint,
+    buckets: list[HostBucket],
+    buffers: list[Any],
+    threads: int,
+    on_read: Callable[[int], None] | None = None,
 ) -> None:
-    """pread every tensor into its place; buffers are uint8 CPU tensors (pinned or not)."""
+    """pread every tensor into its place; buffers are uint8 CPU tensors (pinned or not).
+    on_read(n) is called, from the reading threads, with the bytes of every read (progress)."""
     import numpy as np
 
     fds: dict[str, int] = {}
@@ -84,7 +89,9 @@ def fill(
         for bucket in buckets:
             for t, _ in bucket.placed:
                 if t.file not in fds:
-                    fds[t.file] = os.open(checkpoint.path_of(t.file), os.O_RDONLY)
+                    # Still the file that was planned (else exit 3); a cut during the reads
+                    # is caught below as a short read.
+                    fds[t.file] = open_planned(checkpoint, t.file)
         # Writable byte views of the buffers: preadv fills them without an intermediate copy.
         views = [memoryview(np.asarray(b.numpy())) for b in buffers]  # type: ignore[arg-type]
 
@@ -101,6 +108,8 @@ def fill(
                     )
                 target = target[got:]
                 pos += got
+                if on_read is not None:
+                    on_read(got)
 
         jobs = [(i, *job) for i, b in enumerate(buckets) for job in _read_jobs(b)]
         with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -221,13 +230,16 @@ class ShareReader:
         pool: PinnedPool | None = None,
         *,
         pin: bool,
+        on_read: Callable[[int], None] | None = None,
     ) -> None:
-        """pin: pin the buffers in place once read (needs CUDA; False for a CPU-only read)."""
+        """pin: pin the buffers in place once read (needs CUDA; False for a CPU-only read).
+        on_read(n): called with the bytes of every read, from the reading threads (progress)."""
         import torch
 
         self.buckets = layout(tensors)
         self._pool = pool
         self._pin = pin
+        self._on_read = on_read
         if pool is None:
             self._buffers = [torch.empty(b.size, dtype=torch.uint8) for b in self.buckets]
             self._pinned = [False] * len(self.buckets)
@@ -243,7 +255,7 @@ class ShareReader:
         self._future = self._reading.submit(self._read_and_pin, checkpoint, threads)
 
     def _read_and_pin(self, checkpoint: Checkpoint, threads: int) -> None:
-        fill(checkpoint, self.buckets, self._buffers, threads)
+        fill(checkpoint, self.buckets, self._buffers, threads, self._on_read)
         self.read_seconds = time.perf_counter() - self._started
         if not self._pin:
             return

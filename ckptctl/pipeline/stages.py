@@ -15,13 +15,17 @@ from typing import Any
 import httpx
 
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
+from ckptctl.pipeline.coordination import PAST_DEADLINE_S
 from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
+from ckptctl.progress import Reporter, format_bytes
 from ckptctl.server import ServerAddress
 
 # After the server says "done", the IPC transfer must finish within this many seconds: SGLang
 # and vLLM answer only once their workers have loaded every bucket.
 AFTER_ANSWER_GRACE_S = 15.0
+# Each request of the weight-version read-back, in all (a server that trickles cannot stretch it).
+READ_BACK_TIMEOUT_S = 10.0
 
 
 def plan_share(job: Job, checkpoint_path: str, split: str) -> tuple[Any, Any, Any]:
@@ -33,7 +37,7 @@ def plan_share(job: Job, checkpoint_path: str, split: str) -> tuple[Any, Any, An
         plan = plan_split(checkpoint, job.launch.world_size, split)  # type: ignore[arg-type]
         share = plan.ranks[job.launch.rank]
         st.detail = (
-            f"{plan.split} split: this rank {share.bytes / 1e9:.2f} GB, "
+            f"{plan.split} split: this rank {format_bytes(share.bytes)}, "
             f"{len(share.tensors)} tensors from {len(share.files)} files"
         )
         check_same_plan(job, plan, checkpoint_path)
@@ -84,20 +88,25 @@ def start_parameter_server(job: Job, *, p2p: str) -> Any:
         return ParameterServerSession(
             p2p=p2p,
             io_timeout=job.watchdog.remaining,
+            on_failure=job.watchdog.fail,
             group_store=(
                 job.coordinator.second_connection() if job.coordinator is not None else None
             ),
         )
 
 
-def prefetch_share(checkpoint: Any, share: Any, mode: str, pool: Any = None) -> Any | None:
+def prefetch_share(
+    checkpoint: Any, share: Any, mode: str, pool: Any = None, reporter: Reporter | None = None
+) -> Any | None:
     """In direct mode, start reading and pinning the share now, while the ParameterServer
-    starts (into the pinned buffers of `pool` when a long-lived job keeps them)."""
+    starts (into the pinned buffers of `pool` when a long-lived job keeps them). The bytes it
+    reads count towards the "register" stage that takes them over (`reporter`)."""
     if mode != "direct":
         return None
     from ckptctl.pipeline.pinning import ShareReader
 
-    return ShareReader(checkpoint, list(share.tensors), pool=pool, pin=True)
+    on_read = reporter.counter("register").add if reporter is not None else None
+    return ShareReader(checkpoint, list(share.tensors), pool=pool, pin=True, on_read=on_read)
 
 
 def register_share(
@@ -111,9 +120,13 @@ def register_share(
 ) -> None:
     """engine: checkpoint-engine copies views of the file mapping into pinned buffers it
     allocates; direct: we pread into buffers and pin them in place (pinning.py)."""
-    label = "loading and pinning this rank's share"
-    with job.reporter.stage("register", label, nbytes=share.bytes) as st:
+    label = "loading the shares"  # (short: the live view adds ", N ranks" at 80 columns)
+    with job.reporter.stage("register", label, nbytes=share.bytes, node_wide=True) as st:
         st.detail = f"{mode} registration"
+        if mode == "engine":
+            # checkpoint-engine copies out of the file mappings itself, with no hook: the
+            # pages of the mappings it has touched so far are the bytes it has copied.
+            st.done.track(file_pages_mapped_since_now())
         if mode == "consume":
             # checkpoint-engine pins /dev/shm files in place and deletes them (asked for with
             # --consume-shm-files): whole files only, so the split must be by files.
@@ -122,7 +135,9 @@ def register_share(
         if mode == "direct":
             from ckptctl.pipeline.pinning import ShareReader
 
-            reader = prefetched or ShareReader(checkpoint, list(share.tensors), pin=True)
+            reader = prefetched or ShareReader(
+                checkpoint, list(share.tensors), pin=True, on_read=st.done.add
+            )
             session.register_buffers(name, reader.result())
             st.detail += (
                 f" (read {reader.read_seconds:.2f}s + pin {reader.pin_seconds or 0:.2f}s, "
@@ -134,6 +149,33 @@ def register_share(
         tensors = load_rank_tensors(checkpoint, share)
         session.register(name, tensors)
         del tensors  # views of the file mapping: drop them so the pages can go
+
+
+def file_pages_mapped_since_now() -> Callable[[], int]:
+    """Bytes of file pages this process has mapped since the call (RssFile in
+    /proc/self/status; 0 where there is no such file). Never less than it said before: the
+    kernel may take pages back under memory pressure."""
+
+    def rss_file() -> int | None:
+        try:
+            with open("/proc/self/status", "rb") as fh:
+                for line in fh:
+                    if line.startswith(b"RssFile:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
+    start = rss_file()
+    most = [0]
+
+    def mapped() -> int:
+        now = rss_file()
+        if start is not None and now is not None:
+            most[0] = max(most[0], now - start)
+        return most[0]
+
+    return mapped
 
 
 def wait_for_server(job: Job, assignment: GroupAssignment, engine: str) -> None:
@@ -238,7 +280,11 @@ class ServerRequest:
     def _request(self, address: ServerAddress, handles: dict[str, str]) -> None:
         from ckptctl.server import UpdateRefused, describe_failure, push_update
 
-        left = max(self.watchdog.remaining(), 0.1)
+        # The whole exchange ends a little before the job's deadline (PAST_DEADLINE_S, at most
+        # a quarter of what is left): a server that trickles then fails the request on its own
+        # terms, and in `serve` only this push, before the watchdog would end the whole job.
+        remaining = self.watchdog.remaining()
+        left = max(remaining - min(PAST_DEADLINE_S, remaining / 4), 0.1)
         try:
             message = push_update(
                 address, self.engine, handles, weight_version=self.weight_version, timeout=left
@@ -295,14 +341,19 @@ def push(
 ) -> None:
     """The update itself: broadcast, then (for `all`) p2p into `p2p_ranks`, as the seed does."""
     with (
-        job.reporter.stage("update", "pushing the weights to the server", nbytes=nbytes) as st,
+        job.reporter.stage("update", "pushing the weights", nbytes=nbytes) as st,
         frozen_heap(),
     ):
-        if broadcast:
-            session.update(name, request, None)
-        if p2p_ranks is not None:
-            # (The seed sleeps 2 s here for its process group to go down: ours stays up.)
-            session.update(name, request, p2p_ranks)
+        # Every bucket the server's worker has loaded counts (parameter_server.py).
+        session.on_bucket_loaded = st.done.add
+        try:
+            if broadcast:
+                session.update(name, request, None)
+            if p2p_ranks is not None:
+                # (The seed sleeps 2 s here for its process group to go down: ours stays up.)
+                session.update(name, request, p2p_ranks)
+        finally:
+            session.on_bucket_loaded = None
         if request.messages:
             st.detail = request.messages[-1]
 
@@ -311,13 +362,20 @@ def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, wa
     if not assignment.is_leader:
         return
     from ckptctl.readiness import read_weight_version
-    from ckptctl.server import CONTRACTS, make_client
+    from ckptctl.server import CONTRACTS, describe_failure, make_client
 
     address = assignment.address
     assert address is not None
     with job.reporter.stage("verify", "reading the weight version back") as st:
-        with make_client(address, timeout=10.0) as client:
-            version, status = read_weight_version(client, CONTRACTS[engine])
+        try:
+            with make_client(address, timeout=READ_BACK_TIMEOUT_S) as client:
+                version, status = read_weight_version(client, CONTRACTS[engine])
+        except httpx.HTTPError as exc:
+            error = DeadlineExceeded if isinstance(exc, httpx.TimeoutException) else OperationFailed
+            raise error(
+                f"reading the weight version back from {address.describe()} failed: "
+                f"{describe_failure(exc, address, READ_BACK_TIMEOUT_S)}"
+            ) from None
         if version != want:
             raise OperationFailed(
                 f"{address.describe()} reports {status} after the update, not {want!r}"

@@ -16,6 +16,12 @@ from ckptctl.errors import InvalidInput, UsageError
 from ckptctl.pipeline import stages
 from ckptctl.pipeline.groups import ServerTargets
 from ckptctl.pipeline.job import Job, prepare_environment, run_job
+from ckptctl.pipeline.verification import (
+    check_offers,
+    check_weights,
+    round_trip_reset,
+    start_hashing,
+)
 from ckptctl.progress import Reporter
 
 
@@ -32,6 +38,7 @@ class UpdateOptions:
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
     register_mode: str = "engine"
+    verify: str | None = None  # None | "auto" (--verify) | "round-trip" (--verify-round-trip)
     verbose: bool = False
 
 
@@ -58,9 +65,45 @@ def check_consumable_together(job: Job, plan: Any) -> None:
     job.barrier("consume-checked")
 
 
+SHM = "/dev/shm"
+
+
+def check_in_shm(path: str) -> None:
+    """Refuse (exit 3) a file that --consume-shm-files must not delete: one that is a symbolic
+    link, or does not really live under /dev/shm (a folder on its way there is a symlink to
+    elsewhere: checkpoint-engine would pin and delete the file where it really is), or whose
+    way there someone else could change before checkpoint-engine opens it: the file and every
+    folder below /dev/shm must be ours (folders may be root's)."""
+    drop = "--consume-shm-files deletes the files it pins: drop the flag, or copy the files there"
+    if os.path.islink(path):
+        raise InvalidInput(f"{path}: is a symbolic link, not a file under {SHM}; {drop}")
+    shm = os.path.realpath(SHM)
+    real = os.path.realpath(path)
+    if not real.startswith(shm + "/"):
+        raise InvalidInput(
+            f"{path}: really lives at {real}, outside {SHM} (a folder on the way is a symbolic "
+            f"link); {drop}"
+        )
+    uid = os.getuid()
+    try:
+        if os.lstat(real).st_uid != uid:
+            raise InvalidInput(f"{path}: belongs to another user; {drop}")
+        folder = os.path.dirname(real)
+        while folder != shm:
+            if os.lstat(folder).st_uid not in (uid, 0):
+                raise InvalidInput(
+                    f"{path}: its folder {folder} belongs to another user, who could swap the "
+                    f"file before it is consumed; {drop}"
+                )
+            folder = os.path.dirname(folder)
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot be checked ({exc.strerror or exc})") from None
+
+
 def check_consumable(plan: Any) -> None:
     """Refuse, before any file is consumed, a checkpoint that checkpoint-engine's in-place
-    pinning cannot serve. Every rank checks every rank's share, so all refuse together.
+    pinning cannot serve, or files it must not delete (`check_in_shm`). Every rank checks every
+    rank's share, so all refuse together.
 
     It pins each file's data area as is and asserts the tensors tile it with no gap (a file
     that fails that would be refused halfway, after other files were deleted). The update then
@@ -70,9 +113,11 @@ def check_consumable(plan: Any) -> None:
     a size that is a multiple of that tensor's element size (a 0-dim bf16 before an int64 is
     not).
     """
-    from ckptctl.checkpoint.headers import DTYPE_BITS
+    from ckptctl.checkpoint.headers import DTYPE_BITS, open_planned
 
     checkpoint = plan.checkpoint
+    for file in checkpoint.files:
+        check_in_shm(str(checkpoint.path_of(file)))
     known = _in_place_dtypes()
     for t in checkpoint.tensors:
         if known is not None and t.dtype not in known:
@@ -95,12 +140,14 @@ def check_consumable(plan: Any) -> None:
         in_file[t.file].append(t)
     for file, tensors in in_file.items():
         path = checkpoint.path_of(file)
+        fd = open_planned(checkpoint, file)  # still the file that was planned, else exit 3
         try:
-            with open(path, "rb") as fh:
-                at = 8 + int.from_bytes(fh.read(8), "little")  # where the data area starts
-            size = os.path.getsize(path)
+            at = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")  # where the data area starts
+            size = os.fstat(fd).st_size
         except OSError as exc:
             raise InvalidInput(f"{path}: cannot be read ({exc.strerror or exc})") from None
+        finally:
+            os.close(fd)
         for t in tensors:
             if t.start != at:
                 raise InvalidInput(
@@ -163,16 +210,22 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
         checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, split)
         if opts.register_mode == "consume":
             check_consumable_together(job, plan)  # before any rank consumes a file
-        reader = stages.prefetch_share(checkpoint, share, opts.register_mode)
+        reader = stages.prefetch_share(checkpoint, share, opts.register_mode, reporter=job.reporter)
         session = stages.start_parameter_server(job, p2p=p2p)
         stages.register_share(
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
         )
         stages.wait_for_server(job, assignment, servers.engine)
+        verification = None
+        if opts.verify:
+            verification = check_offers(job, assignment, round_trip=opts.verify == "round-trip")
+            start_hashing(job, session, opts.checkpoint_name, verification)
         stages.build_group(job, session)
         stages.gather_metas(job, session, opts.checkpoint_name)
         if opts.save_metas_file:
             stages.save_metas(job, session, opts.save_metas_file, opts.checkpoint_name)
+        if verification is not None:
+            round_trip_reset(job, assignment, verification)
         request = stages.ServerRequest(
             assignment,
             servers,
@@ -193,6 +246,10 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
         )
         if servers.weight_version is not None:
             stages.verify_weight_version(job, assignment, servers.engine, servers.weight_version)
+        verified = None
+        if verification is not None:
+            names = {t.name for t in checkpoint.tensors}
+            verified = check_weights(job, assignment, verification, names)
         wall = job.elapsed()
         ranks = job.gather_figures(
             job.figures(
@@ -214,9 +271,11 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             "world_size": launch.world_size,
             "inference_parallel_size": servers.parallel_size,
             "total_bytes": checkpoint.total_bytes,
-            "tensors": len(checkpoint.tensors),
+            "tensor_count": len(checkpoint.tensors),
             "weight_version": servers.weight_version,
             "metas_file": opts.save_metas_file,
+            "verified": verified["how"] if verified else None,
+            "verification": verified,
             "wall_s": round(wall, 4),
             "ranks": ranks,
         }

@@ -1,0 +1,203 @@
+"""`--verify` and `--verify-round-trip`: the stages around the push that prove what the servers
+hold (the HTTP contract and the hashing are in ckptctl/verify.py).
+
+    check_offers      before the push: what each server's weights checker offers, so how to
+                      verify; exit 3 when it cannot be done, before anything is pushed
+    start_hashing     compare_checksum: each rank hashes its registered share in the background
+    round_trip_reset  --verify-round-trip: every server snapshots, then resets its weights
+      ... push ...
+    check_weights     after the push: compare_checksum / per-engine agreement / compare
+
+Only group leaders talk to servers; what one rank needs from the others goes through the job's
+store (`_share`), so servers on other nodes take part too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptctl.errors import OperationFailed
+from ckptctl.pipeline.groups import GroupAssignment
+from ckptctl.pipeline.job import Job
+
+
+@dataclass
+class Verification:
+    """How this job verifies, decided alike on every rank."""
+
+    how: str  # "checksum" | "per-engine" | "round-trip"
+    servers: int
+    hasher: Any = None  # verify.BackgroundHasher, for "checksum"
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _checker(job: Job, assignment: GroupAssignment) -> Any:
+    from ckptctl.verify import Checker
+
+    assert assignment.address is not None
+    return Checker(assignment.address, deadline=time.monotonic() + job.watchdog.remaining())
+
+
+def _share(job: Job, key: str, doc: dict[str, Any], *, wanted: bool = True) -> list[dict[str, Any]]:
+    """Every rank's `doc` (in rank order) where `wanted`; every rank must call it."""
+    if job.coordinator is None:
+        return [doc]
+    job.coordinator.publish(key, doc)
+    if not wanted:
+        return []
+    return job.coordinator.collect(key, timeout_s=max(job.watchdog.remaining(), 1.0))
+
+
+def check_offers(
+    job: Job,
+    assignment: GroupAssignment,
+    *,
+    round_trip: bool,
+    hashes_available: bool = True,
+) -> Verification:
+    """Ask every server what it offers and decide how to verify (InvalidInput if no way)."""
+    from ckptctl.verify import COMPARE_CHECKSUM, VERIFY_HOWS, plan_verification, probe
+
+    with job.reporter.stage("checker", "asking the servers' weights checkers") as st:
+        mine: dict[str, Any] = {}
+        if assignment.is_leader:
+            checker = _checker(job, assignment)
+            mine = {"where": checker.where, "offers": probe(checker)}
+        docs = [d for d in _share(job, "verify-offers", mine) if d]
+        offers = [(d["where"], list(d["offers"])) for d in docs]
+        if not hashes_available:  # join: nothing registered here to hash
+            offers = [(w, [a for a in acts if a != COMPARE_CHECKSUM]) for w, acts in offers]
+        how = plan_verification(offers, round_trip=round_trip)
+        st.detail = f"{len(offers)} server(s): will check {VERIFY_HOWS[how]}"
+    return Verification(how, len(offers))
+
+
+def start_hashing(job: Job, session: Any, name: str, verification: Verification) -> None:
+    """For compare_checksum: hash this rank's registered tensors while the update runs."""
+    if verification.how != "checksum":
+        return
+    from ckptctl.verify import BackgroundHasher, hashing_threads
+
+    threads = hashing_threads(job.launch.local_world_size)
+    verification.hasher = BackgroundHasher(session.registered_bytes(name), threads).start()
+
+
+def round_trip_reset(job: Job, assignment: GroupAssignment, verification: Verification) -> None:
+    """Every server snapshots its weights; only once all have does any of them reset."""
+    if verification.how != "round-trip":
+        return
+    with job.reporter.stage("round_trip", "snapshotting, then resetting the served weights"):
+        checker = _checker(job, assignment) if assignment.is_leader else None
+        if checker is not None:
+            checker.require("snapshot")
+        job.barrier("verify-snapshot")
+        if checker is not None:
+            try:
+                checker.require("reset_tensors")
+            except OperationFailed as exc:
+                raise OperationFailed(
+                    f"{exc} (servers already reset serve random weights until an update lands)"
+                ) from None
+        job.barrier("verify-reset")
+
+
+def check_weights(
+    job: Job,
+    assignment: GroupAssignment,
+    verification: Verification,
+    tensor_names: set[str] | None = None,
+) -> dict[str, Any]:
+    """After the push: prove it. Returns what was verified (complete on rank 0)."""
+    from ckptctl.verify import VERIFY_HOWS
+
+    how = verification.how
+    with job.reporter.stage("check_weights", f"checking {VERIFY_HOWS[how]}") as st:
+        if how == "checksum":
+            st.detail = _check_sha256(job, assignment, verification, tensor_names or set())
+        elif how == "per-engine":
+            st.detail = _check_agreement(job, assignment, verification)
+        else:
+            st.detail = _check_round_trip(job, assignment, verification)
+    return {"how": how, "server_count": verification.servers, **verification.details}
+
+
+def _check_sha256(
+    job: Job, assignment: GroupAssignment, verification: Verification, tensor_names: set[str]
+) -> str:
+    """Each rank's SHA-256s reach every leader, which sends the whole set to its server."""
+    from ckptctl.verify import check_expected
+
+    hasher = verification.hasher
+    assert hasher is not None
+    waited = time.perf_counter()
+    mine = hasher.result(timeout=job.watchdog.remaining())
+    waited = time.perf_counter() - waited
+    docs = _share(job, "verify-sha256", {"sha256": mine}, wanted=assignment.is_leader)
+    details = verification.details
+    details.update(
+        hash_seconds=round(hasher.seconds, 4),
+        hash_waited_seconds=round(waited, 4),
+        hash_threads=hasher.threads,
+        hashed_bytes=hasher.nbytes,
+    )
+    hashed = (
+        f"hashed {hasher.nbytes / 1e9:.2f} GB in {hasher.seconds:.2f}s on {hasher.threads} "
+        f"thread(s), {waited:.2f}s of it after the update"
+    )
+    if not assignment.is_leader:
+        details["tensor_count"] = len(mine)
+        return hashed
+    expected: dict[str, str] = {}
+    for doc in docs:
+        expected.update(doc["sha256"])
+    missing = sorted(tensor_names - set(expected))
+    if missing:
+        raise OperationFailed(
+            f"--verify: {len(missing)} tensor(s) of the checkpoint were never hashed "
+            f"(not registered by any rank?): {', '.join(missing[:10])}"
+        )
+    check_expected(_checker(job, assignment), expected)
+    details["tensor_count"] = len(expected)
+    return f"{len(expected)} tensors match; {hashed}"
+
+
+def _check_agreement(job: Job, assignment: GroupAssignment, verification: Verification) -> str:
+    """Every leader reads its server's checksums; rank 0 compares them all."""
+    from ckptctl.verify import CHECKSUM, EngineChecksums, compare_engines, parse_checksums
+
+    mine: dict[str, Any] = {}
+    if assignment.is_leader:
+        checker = _checker(job, assignment)
+        answer = checker.require(CHECKSUM)
+        report = parse_checksums(answer.doc or {}, checker.where)
+        mine = {"where": checker.where, "report": report.as_json()}
+    docs = [d for d in _share(job, "verify-checksums", mine, wanted=job.launch.rank == 0) if d]
+    if job.launch.rank != 0:
+        return "checksums sent to rank 0" if mine else ""
+    reports = [(d["where"], EngineChecksums.from_json(d["report"])) for d in docs]
+    problems = compare_engines(reports)
+    if problems:
+        raise OperationFailed(
+            "servers given the same checkpoint hold different weights (SGLang's parameter "
+            "names, per rank): " + "; ".join(problems)
+        )
+    first = reports[0][1]
+    verification.details.update(
+        engine_checksum=first.digest(),
+        ranks_per_server=len(first.ranks),
+        parameters_per_server=sum(len(s) for s in first.ranks.values()),
+    )
+    return f"{len(reports)} servers agree ({first.digest()[:16]})"
+
+
+def _check_round_trip(job: Job, assignment: GroupAssignment, verification: Verification) -> str:
+    """Every leader has its server compare with the snapshot it took before the reset."""
+    from ckptctl.verify import round_trip_compare
+
+    verification.details["scope"] = "TP rank 0 of each server (only it answers SGLang's compare)"
+    if not assignment.is_leader:
+        return ""
+    round_trip_compare(_checker(job, assignment))
+    return "the server holds what it was started with"

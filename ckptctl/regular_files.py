@@ -1,0 +1,90 @@
+"""Opening the files users name (indexes, headers, metas, shards) without being fooled.
+
+A path can be a FIFO (reading it blocks until some writer comes), a device (/dev/zero never
+ends), a folder, or a file far larger than anything it should hold. Every file ckptctl reads
+goes through `open_regular`: stat first (a device or FIFO is never opened), open with
+O_NONBLOCK (a FIFO swapped in after the stat cannot block the open), then fstat what was
+really opened. `read_regular` also refuses a file above its cap before reading a byte.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import NamedTuple
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+class UnfitFile(Exception):
+    """Why a file was not read. `problem` completes a sentence that starts with the path:
+    "does not exist", "is a FIFO (named pipe), not a regular file", ..."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
+class FileIdentity(NamedTuple):
+    """What tells one version of a file from another: the same inode, size and mtime."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _check_kind(st: os.stat_result, what: str) -> None:
+    if stat.S_ISREG(st.st_mode):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise UnfitFile(f"is a folder, not {what}")
+    kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a plain file")
+    raise UnfitFile(f"is {kind}, not a regular file")
+
+
+def open_regular(path: str | os.PathLike[str], what: str = "a file") -> tuple[int, os.stat_result]:
+    """(read-only fd, its fstat) of a regular file, or UnfitFile. The caller closes the fd."""
+    try:
+        _check_kind(os.stat(path), what)  # a device or FIFO is never even opened
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise UnfitFile("does not exist") from None
+    except OSError as exc:
+        raise UnfitFile(f"cannot be read ({exc.strerror or exc})") from None
+    try:
+        st = os.fstat(fd)
+        _check_kind(st, what)  # what was opened, should the path have changed since the stat
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _size_text(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
+
+
+def read_regular(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
+    """The whole of a regular file of at most `limit` bytes, or UnfitFile (checked from its
+    size before anything is read)."""
+    fd, st = open_regular(path, what)
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > limit:
+            raise UnfitFile(f"is larger than {_size_text(limit)}, the most {what} may be")
+        try:
+            data = f.read(st.st_size + 1)  # one more byte: a file that grows is noticed
+        except OSError as exc:
+            raise UnfitFile(f"cannot be read ({exc.strerror or exc})") from None
+    if len(data) > st.st_size:
+        raise UnfitFile("changed size while being read; retry when nothing is writing it")
+    return data
