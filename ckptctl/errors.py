@@ -24,6 +24,12 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130
 
 
+# Said in an error line whenever an update broke off after the server's workers connected:
+# SGLang's own words for that state are "partially updated. Please discard the whole weights".
+# A failure's JSON document then carries "server_weights": "partial" (results.py).
+PARTIAL_WEIGHTS_NOTE = "the server may now hold partly updated weights"
+
+
 class CkptctlError(Exception):
     """Base class: `str(err)` is the one line the user sees."""
 

@@ -68,8 +68,16 @@ def keep(fields: dict[str, Any]) -> None:
 
 
 def write_failure(code: int, message: str) -> None:
-    """The failure document (with the kept fields), unless a result already went out."""
-    _emit(envelope(_kept, code=code, error=message))
+    """The failure document (with the kept fields), unless a result already went out. An
+    update that broke off after the server's workers connected says so in its message,
+    wherever it failed (this rank, another rank through the job's store): then the document
+    says it too."""
+    from ckptctl.errors import PARTIAL_WEIGHTS_NOTE
+
+    fields = dict(_kept)
+    if PARTIAL_WEIGHTS_NOTE in message:
+        fields["server_weights"] = "partial"
+    _emit(envelope(fields, code=code, error=message))
 
 
 def _emit(doc: dict[str, Any]) -> None:

@@ -5,6 +5,16 @@ test_update_orchestration.py to test the pipeline's wiring on CPU; the GPU tests
 real ParameterServer.
 
     torchrun ... tests/cpu_ps_rank.py update --checkpoint-path DIR ...
+
+What the stand-in can be told to do:
+- a checkpoint registered under a name containing "fail-after-connect": the server's workers
+  connect, then the last rank's worker fails mid-transfer, and every rank's update fails the
+  way checkpoint-engine's does (its return-code all-reduce);
+- CPU_PS_SLOW_UPDATE_RANK=r: rank r's update takes a second longer (a slow node), and no
+  rank waits for another at its end (checkpoint-engine's issue #106);
+- CPU_PS_EVENTS=F: every rank appends "update-end NAME" / "unregister NAME" lines to F, one
+  shared file, in the order they happen;
+- CPU_PS_SLOW_CHECK_RANK=r: rank r checks a --consume-shm-files plan late.
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ class CpuParameterServerSession:
         self.buffers: dict[str, list[Any]] = {}
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
+        self.connected = False  # the server's workers took the IPC handle (this update)
+        self.rescued: str | None = None
 
     def register(self, name: str, named_tensors: dict[str, Any]) -> None:
         self.registered[name] = dict(named_tensors)
@@ -87,13 +99,29 @@ class CpuParameterServerSession:
         return True
 
     def rescue(self, message: str) -> bool:
+        if self.connected:
+            return False  # a worker has the handle: only its own error path ends the transfer
         self.rescued = message  # the real one ends checkpoint-engine's blocked transfer
         return True
+
+    def workers_connected(self) -> bool:
+        return self.connected
+
+    def _event(self, what: str, name: str) -> None:
+        path = os.environ.get("CPU_PS_EVENTS")
+        if path:
+            line = json.dumps({"rank": self.rank, "event": what, "name": name}) + "\n"
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())  # one write: lines from ranks never interleave
+            finally:
+                os.close(fd)
 
     def update(self, name: str, req_func: Any, ranks: list[int] | None) -> None:
         from ckptctl.errors import OperationFailed
 
-        self.rescued: str | None = None
+        self.rescued = None
+        self.connected = "fail-after-connect" in name
         self.updates[name] = self.updates.get(name, 0) + 1
         paths = [(f"GPU-fake-{r}", f"ipc://@fake-{r}.sock") for r in range(self.world)]
         sent = len(getattr(req_func, "messages", []))
@@ -104,9 +132,11 @@ class CpuParameterServerSession:
         # leader's server has taken the weights, or fails on every rank. A rank here marks its
         # part done (a leader only when its server said yes) and waits for all: a failed
         # leader never marks it, and every rank is ended - by the watchdog (update) or by the
-        # rescue of its transfer (serve) - never left to finish, or exit 0, on its own.
+        # rescue of its transfer (serve) - never left to finish, or exit 0, on its own. Where
+        # the workers connected, their error replies end the transfer on every rank
+        # (checkpoint-engine's error path): it is over, failed or not.
         leader = getattr(getattr(req_func, "assignment", None), "is_leader", False)
-        ok = not leader or len(getattr(req_func, "messages", [])) > sent
+        ok = self.connected or not leader or len(getattr(req_func, "messages", [])) > sent
         key = f"cpu-ps/{name}/{self.updates[name]}"
         store = self.group_store
         if ok and self.rescued is None and store is not None:
@@ -117,10 +147,25 @@ class CpuParameterServerSession:
 
         while self.rescued is None and not all_done():
             time.sleep(0.02)
+        if os.environ.get("CPU_PS_SLOW_UPDATE_RANK") == str(self.rank):
+            threading.Event().wait(1.0)  # still copying this rank's buffers
+        self._event("update-end", name)
         if self.rescued is not None:
             raise OperationFailed(f"checkpoint-engine's update failed: {self.rescued}")
+        if self.connected:
+            note = "the server may now hold partly updated weights"
+            if self.rank == self.world - 1:  # this rank's worker replied with an error
+                raise OperationFailed(
+                    f"the server's worker on GPU-fake-{self.rank} failed while loading the "
+                    f"weights ({note}): RuntimeError: injected failure in bucket 1"
+                )
+            raise OperationFailed(
+                "checkpoint-engine's update failed: RuntimeError: Failed to update weights due "
+                f"to remote errors ({note})"
+            )
 
     def unregister(self, name: str, pool: Any = None) -> None:
+        self._event("unregister", name)
         self.registered.pop(name, None)
         buffers = self.buffers.pop(name, None)
         if pool is not None and buffers is not None:
@@ -135,7 +180,7 @@ if __name__ == "__main__":
     # No CUDA to pin host memory with: direct registration's buffers stay pageable.
     pinning_module.pin_in_place = lambda buffer: None  # type: ignore[assignment]
     pinning_module.unpin = lambda buffer: None  # type: ignore[assignment]
-    if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ["RANK"]:
+    if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ.get("RANK", "0"):
         # This rank checks a --consume-shm-files plan late (a slower node, a busy CPU).
         import ckptctl.pipeline.update as update_module
 

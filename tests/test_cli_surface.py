@@ -303,7 +303,7 @@ def test_dry_run_only_flags_are_refused_in_a_real_run(capsys: pytest.CaptureFixt
 # -- item 8: --help at 80 columns ---------------------------------------------------------------
 
 LABELS = re.compile(r"<(bool|list\[[^>]*\]|int|float|str|int range|float range)>|\[x[<>]=|<=x")
-OWN_HELP = [c for c in COMMANDS if c not in ("serve", "push", "status", "stop")]
+OWN_HELP = list(COMMANDS)
 
 
 def cells(line: str) -> int:

@@ -213,3 +213,84 @@ def test_failed_pushes_give_their_gpu_memory_back(tmp_path: Path, short_tmp: Pat
     if RESULTS:
         with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
             fh.write(json.dumps(record) + "\n")
+
+
+def test_a_push_failing_in_bucket_1_is_partial_and_the_next_push_makes_it_whole(
+    tmp_path: Path, short_tmp: Path
+) -> None:
+    """Issue 14 item 9 on a GPU: the receiver's worker raises in bucket 1 (after it connected
+    and loaded bucket 0), so the server holds a mix. The push fails (exit 1) saying so, its JSON
+    and `status` say "partial", the job keeps serving, and the next push of the same checkpoint
+    is bit-exact and `status` says "whole" again."""
+    ckpts = [_checkpoint(tmp_path / f"ck{i}", seed=20 + i) for i in range(2)]
+    sock = str(short_tmp / "serve.sock")
+    with ReceiverServer(ckpts[0], [0]) as rx:
+        job = subprocess.Popen(
+            torchrun_cmd(
+                "--no-python",
+                "ckptctl",
+                "serve",
+                "--control-socket",
+                sock,
+                "--inference-parallel-size",
+                "1",
+                "--endpoint",
+                rx.endpoint,
+                "--push-timeout",
+                "120",
+                # 1 MiB buckets: the 1 MiB tensors of _checkpoint take several.
+                "--bucket-size-gb",
+                "0.001",
+                nproc=1,
+            ),  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
+        )
+
+        def push(ck: Path, version: str) -> subprocess.CompletedProcess[str]:
+            return run_script(
+                "push", "--control-socket", sock, "--checkpoint-path", str(ck),
+                "--weight-version", version, "--json", "--wait", "120", timeout=300,
+            )  # fmt: skip
+
+        def status() -> dict:
+            r = run_script("status", "--control-socket", sock, "--json", timeout=30)
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout)
+
+        try:
+            first = push(ckpts[0], "v1")
+            assert first.returncode == 0, first.stdout + first.stderr
+            assert rx.report()["ok"]
+
+            rx.set_config(fail_bucket=1, verify_against=str(ckpts[1]))
+            broken = push(ckpts[1], "v2")
+            assert broken.returncode == 1, broken.stdout + broken.stderr
+            doc = json.loads(broken.stdout)
+            assert doc["server_weights"] == "partial", doc
+            assert "partly updated weights" in broken.stderr
+            assert rx.report()["ok"] is False
+            st = status()
+            assert st["server_weights"] == "partial" and st["state"] == "idle", st
+            assert job.poll() is None, "a worker's error must not end the serve job"
+
+            rx.set_config(fail_bucket=None)
+            again = push(ckpts[1], "v3")
+            assert again.returncode == 0, again.stdout + again.stderr
+            report = rx.report()
+            assert report["ok"] and report["weight_version"] == "v3"
+            assert all(not w["mismatches"] and not w["missing"] for w in report["workers"])
+            st = status()
+            assert st["server_weights"] == "whole"
+            assert st["weights"]["checkpoint_path"] == str(ckpts[1].resolve())
+            assert st["weights"]["weight_version"] == "v3"
+
+            stop = run_script("stop", "--control-socket", sock, "--wait", "60", timeout=90)
+            assert stop.returncode == 0, stop.stderr
+            _, err = job.communicate(timeout=60)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert job.returncode == 0, err[-3000:]

@@ -57,6 +57,17 @@ EXAMPLES: dict[str, list[str]] = {
         "ckptctl inspect-metas metas.json",
         "ckptctl inspect-metas metas.json --checkpoint-path DIR --json",
     ],
+    "serve": [
+        "torchrun --nproc-per-node 8 --no-python ckptctl serve \\",
+        "    --inference-parallel-size 8 &",
+        "ckptctl push --wait 600 --checkpoint-path DIR --weight-version step-7",
+    ],
+    "push": [
+        "ckptctl push --wait 600 --checkpoint-path DIR --weight-version step-7",
+        "ckptctl push --endpoint URL --checkpoint-path DIR --json",
+    ],
+    "status": ["ckptctl status", "ckptctl status --endpoint URL --json"],
+    "stop": ["ckptctl stop --wait 60"],
 }
 
 
@@ -113,6 +124,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "serve": serve.serve_command,
     "push": serve.push_command,
     "status": serve.status_command,
+    "stop": serve.stop_command,
 }
 
 

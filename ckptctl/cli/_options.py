@@ -331,8 +331,8 @@ ControlSocketOpt = Annotated[
         show_default=False,
         rich_help_panel=SERVE_JOB,
         # (No square brackets: help text is Rich markup, where [..] is a style tag.)
-        help="Unix socket of the serve job's control endpoint on this node; by default "
-        "/tmp/ckptctl-serve-<uid>.sock.",
+        help="Unix socket of this node's control endpoint. Default: serve-DIGEST.sock, "
+        "named after the servers, in $XDG_RUNTIME_DIR/ckptctl/ or /tmp/ckptctl-UID/.",
     ),
 ]
 

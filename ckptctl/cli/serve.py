@@ -1,45 +1,98 @@
-"""`ckptctl serve` (a long-lived job under torchrun) and its clients `push` and `status`."""
+"""`ckptctl serve` (a long-lived job under torchrun) and its clients `push`, `status`, `stop`.
+
+The clients talk to the job's control socket on this node (ckptctl.pipeline.serve.control):
+`--control-socket PATH`, else the socket of the job that feeds `--endpoint`/`--uds`, else the
+only serve job of this user on the node.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import time
 from typing import Annotated, Any
 
 import typer
 
 from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
 from ckptctl.cli._options import (
+    SERVE_JOB,
+    WAITING,
     ApiKeyOpt,
+    BucketSizeOpt,
+    CheckpointPathOpt,
     ConsumeShmOpt,
+    ControlSocketOpt,
     EndpointsOpt,
     EngineOpt,
+    HelpOpt,
     InferenceParallelSizeOpt,
     JsonOpt,
+    MemFractionOpt,
+    PushTimeoutOpt,
     QuietOpt,
     RegisterModeOpt,
     SplitOpt,
     UdsListOpt,
     VerboseOpt,
     WeightVersionOpt,
+    at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.errors import DeadlineExceeded, ExitCode, OperationFailed, UsageError
+from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
+from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed, UsageError
 
-ControlSocketOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--control-socket",
-        help="Unix socket of the serve job's control endpoint on this node "
-        "[default: /tmp/ckptctl-serve-<uid>.sock].",
+
+def _which_job(name: str, metavar: str, envvar: str, help: str) -> Any:
+    """A client's flag that says which serve job on this node to talk to."""
+    return typer.Option(
+        name,
+        metavar=metavar,
+        envvar=envvar,
+        show_envvar=True,
         show_default=False,
+        rich_help_panel=SERVE_JOB,
+        help=help,
+    )
+
+
+JobSocketOpt = Annotated[
+    str | None,
+    _which_job(
+        "--control-socket",
+        "PATH",
+        CONTROL_SOCKET_ENV,
+        "The serve job's control socket. Default: that of the job feeding --endpoint, or "
+        "your only serve job on this node.",
     ),
 ]
-
-
-def _socket(path: str | None) -> str:
-    from ckptctl.pipeline.serve import DEFAULT_CONTROL_SOCKET
-
-    return path or DEFAULT_CONTROL_SOCKET
+FindEndpointOpt = Annotated[
+    list[str] | None,
+    _which_job(
+        "--endpoint",
+        "URL",
+        ENDPOINT_ENV,
+        "Talk to the serve job that feeds this server (where several run here).",
+    ),
+]
+FindUdsOpt = Annotated[
+    list[str] | None,
+    _which_job(
+        "--uds",
+        "PATH",
+        UDS_ENV,
+        "Talk to the serve job that feeds the server on this Unix socket.",
+    ),
+]
+WaitOpt = Annotated[
+    float,
+    typer.Option(
+        "--wait",
+        metavar="SECONDS",
+        callback=at_least(0),
+        rich_help_panel=WAITING,
+        help="Wait up to this many seconds for the serve job to answer (it starts for a while "
+        "after `serve &`); exit 4 if it does not.",
+    ),
+]
 
 
 def serve_command(
@@ -51,20 +104,21 @@ def serve_command(
     control_socket: ControlSocketOpt = None,
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.engine,
-    push_timeout: Annotated[
-        float, typer.Option("--push-timeout", min=1.0, help="Seconds one push may take.")
-    ] = 600.0,
+    push_timeout: PushTimeoutOpt = 600.0,
+    bucket_size_gb: BucketSizeOpt = None,
+    mem_fraction: MemFractionOpt = None,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Keep a parameter server up on every rank and push checkpoints on command (experimental).
 
     Start it under torchrun like `update`; then, on the node, `ckptctl push --checkpoint-path
-    DIR` pushes a checkpoint into the server(s), `ckptctl status` reports, and SIGTERM/SIGINT
-    (or `POST /stop` on the control socket) ends it cleanly. A push that fails before the
-    server's workers connect (bad checkpoint, server down or refusing) leaves the job serving;
-    one that fails after they connected ends it.
+    DIR` pushes a checkpoint into the server(s), `ckptctl status` reports, and `ckptctl stop`
+    (or SIGTERM/SIGINT to any rank) ends it cleanly. Commands come only from your own user,
+    through the control socket; a push that fails leaves the job serving, unless its transfer
+    broke off in a way only ending the job can clear.
     """
     from ckptctl.cli._job_view import run_job_with_display
     from ckptctl.pipeline.groups import ServerTargets
@@ -80,56 +134,77 @@ def serve_command(
             parallel_size=inference_parallel_size,
             weight_version=None,
         ),
-        control_socket=_socket(control_socket),
+        control_socket=control_socket,
         split=split.value,
         register_mode=register_mode.value,
         push_timeout=push_timeout,
+        bucket_size_gb=bucket_size_gb,
+        mem_fraction=mem_fraction,
         verbose=verbose,
     )
     run_job_with_display(run_serve, opts, out)
 
 
-def _call(path: str, method: str, route: str, body: dict[str, Any] | None, timeout: float) -> Any:
-    import httpx
+def _find(
+    control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
+) -> str:
+    from ckptctl.pipeline.serve.control import job_targets, resolve_socket
 
-    try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=path), timeout=timeout) as client:
-            response = client.request(method, f"http://serve{route}", json=body)
-    except httpx.TimeoutException:
-        raise DeadlineExceeded(
-            f"the serve job on {path} did not answer within {timeout:g}s"
-        ) from None
-    except httpx.HTTPError:
+    return resolve_socket(control_socket, job_targets(endpoint or [], uds or []), wait)
+
+
+def _call(
+    path: str, method: str, route: str, body: dict[str, Any] | None, timeout: float
+) -> dict[str, Any]:
+    from ckptctl.pipeline.serve.control import call
+
+    status, doc = call(path, method, route, body, timeout)
+    if status in (400, 409):  # a request this CLI should not have sent, or the wrong node
+        raise UsageError(f"the serve job on {path} refused: {doc.get('error')}")
+    if status != 200:
         raise OperationFailed(
-            f"no serve job answers on {path}: start one with `torchrun ... ckptctl serve`"
-        ) from None
-    doc = response.json()
-    if response.status_code != 200:
-        raise UsageError(f"the serve job refused: {doc.get('error', response.text)}")
+            f"the serve job on {path} refused (HTTP {status}): {doc.get('error')}"
+        )
     return doc
 
 
 def push_command(
-    checkpoint_path: Annotated[
-        Path,
-        typer.Option("--checkpoint-path", help="Checkpoint directory to push.", show_default=False),
-    ],
+    checkpoint_path: CheckpointPathOpt,
     weight_version: WeightVersionOpt = None,
     checkpoint_name: Annotated[
-        str | None, typer.Option("--checkpoint-name", help="Name to register it under.")
+        str | None,
+        typer.Option(
+            "--checkpoint-name",
+            metavar="NAME",
+            rich_help_panel="Checkpoint",
+            help="Name to register it under (default: push-N).",
+        ),
     ] = None,
-    control_socket: ControlSocketOpt = None,
     consume_shm_files: ConsumeShmOpt = False,
+    control_socket: JobSocketOpt = None,
+    endpoint: FindEndpointOpt = None,
+    uds: FindUdsOpt = None,
+    wait: WaitOpt = 0.0,
     timeout: Annotated[
-        float, typer.Option("--timeout", min=1.0, help="Seconds to wait for the push (exit 4).")
+        float,
+        typer.Option(
+            "--timeout",
+            metavar="SECONDS",
+            callback=at_least(1),
+            rich_help_panel=WAITING,
+            help="Seconds to wait for the push's answer (exit 4); the serve job bounds each "
+            "push by its own --push-timeout.",
+        ),
     ] = 900.0,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Push a checkpoint through a running `ckptctl serve` job on this node (experimental)."""
     out = Output(json_mode=json_output, quiet=quiet)
+    path = _find(control_socket, endpoint, uds, wait)
     doc = _call(
-        _socket(control_socket),
+        path,
         "POST",
         "/push",
         {
@@ -146,27 +221,145 @@ def push_command(
         code = int(doc.get("exit_code") or ExitCode.FAILED)
         error = doc.get("error") or "the push failed"
         if code == ExitCode.INVALID_INPUT:
-            from ckptctl.errors import InvalidInput
-
             raise InvalidInput(error)
         raise (DeadlineExceeded if code == ExitCode.TIMEOUT else OperationFailed)(error)
-    out.log(f"pushed {checkpoint_path} (command {doc['seq']})")
+    out.log(
+        f"pushed {checkpoint_path} (push {doc['seq']}, {doc.get('seconds') or 0:.2f}s; "
+        f"server weights: {doc.get('server_weights')})"
+    )
 
 
 def status_command(
-    control_socket: ControlSocketOpt = None,
+    control_socket: JobSocketOpt = None,
+    endpoint: FindEndpointOpt = None,
+    uds: FindUdsOpt = None,
+    wait: WaitOpt = 0.0,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
 ) -> None:
     """Show what a running `ckptctl serve` job on this node holds and did last (experimental)."""
     out = Output(json_mode=json_output, quiet=quiet)
-    doc = _call(_socket(control_socket), "GET", "/status", None, 10.0)
+    path = _find(control_socket, endpoint, uds, wait)
+    doc = _call(path, "GET", "/status", None, 10.0)
     if json_output:
-        out.result(doc)
+        out.result({**doc, "exit_code": 0, "error": None, "control_socket": path})
         return
-    last = doc.get("last") or {}
-    out.show(
-        f"{doc['state']}, {doc['world_size']} rank(s), {doc['commands']} command(s); "
-        f"registered: {doc.get('registered') or '-'}; last: "
-        + ("-" if not last else ("ok" if last.get("ok") else f"failed: {last.get('error')}"))
-    )
+    out.show("\n".join(describe_status(doc, path)))
+
+
+def stop_command(
+    control_socket: JobSocketOpt = None,
+    endpoint: FindEndpointOpt = None,
+    uds: FindUdsOpt = None,
+    wait: Annotated[
+        float,
+        typer.Option(
+            "--wait",
+            metavar="SECONDS",
+            callback=at_least(0),
+            rich_help_panel=WAITING,
+            help="Wait up to this many seconds until the job has stopped serving; exit 4 if not.",
+        ),
+    ] = 0.0,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
+) -> None:
+    """Stop a running `ckptctl serve` job on this node: every rank ends cleanly (experimental).
+
+    A push under way finishes first; pushes still waiting fail.
+    """
+    from ckptctl.pipeline.serve.control import answers
+
+    out = Output(json_mode=json_output, quiet=quiet)
+    path = _find(control_socket, endpoint, uds, 0.0)
+    _call(path, "POST", "/stop", None, 10.0)
+    deadline = time.monotonic() + wait
+    stopped = not wait
+    while wait and not stopped:
+        stopped = not answers(path)
+        if not stopped and time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"the serve job on {path} still answers after {wait:g}s")
+        if not stopped:
+            time.sleep(0.2)
+    if json_output:
+        out.result(
+            {
+                "ok": True,
+                "exit_code": 0,
+                "error": None,
+                "control_socket": path,
+                "stopped": bool(wait),
+            }
+        )
+    else:
+        out.log(f"{'stopped' if wait else 'stopping'} the serve job on {path}")
+
+
+def _ago(stamp: str | None) -> str:
+    import calendar
+
+    if not stamp:
+        return ""
+    try:
+        then = calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return stamp
+    return f"{stamp} ({max(time.time() - then, 0):.0f}s ago)"
+
+
+def describe_status(doc: dict[str, Any], path: str) -> list[str]:
+    """The human view of `status`: the job, the server's weights, the last push."""
+    rank = doc.get("rank", 0)
+    lines = [
+        f"serve job: {doc.get('state')}, {doc.get('world_size')} rank(s), "
+        f"{doc.get('commands')} push(es) done, {doc.get('queued') or 0} waiting; "
+        f"control socket {path}"
+        + (
+            ""
+            if doc.get("takes_push", True)
+            else f" (rank {rank}'s node: push on {doc.get('push_host')})"
+        )
+    ]
+    targets = doc.get("targets") or []
+    if targets:
+        lines.append(f"servers: {', '.join(targets)}")
+    weights = doc.get("weights") or {}
+    state = doc.get("server_weights")
+    if state is None:
+        lines.append("server weights: not pushed yet (the server's own)")
+    else:
+        what = (
+            f"push {weights.get('seq')}: {weights.get('checkpoint_path')}"
+            + (
+                f", weight version {weights['weight_version']}"
+                if weights.get("weight_version")
+                else ""
+            )
+            + f", at {_ago(weights.get('pushed_at'))}"
+            if weights
+            else "-"
+        )
+        if state == "whole":
+            lines.append(f"server weights: whole, from {what}")
+        else:
+            lines.append(
+                "server weights: PARTIAL - a push broke off after the server's workers "
+                f"connected; push a whole checkpoint again (last whole set: {what})"
+            )
+    last = doc.get("last")
+    if last:
+        head = f"last push {last.get('seq')}: {last.get('checkpoint_path')}"
+        if last.get("ok"):
+            size = last.get("total_bytes") or 0
+            secs = float(last.get("seconds") or 0)
+            rate = f", {size / secs / 1e9:.2f} GB/s" if size and secs > 0 else ""
+            lines.append(
+                f"{head}: ok in {secs:.2f}s ({size / 1e9:.2f} GB{rate}), at {_ago(last.get('finished_at'))}"
+            )
+        else:
+            lines.append(f"{head}: failed (exit {last.get('exit_code')}): {last.get('error')}")
+    if doc.get("registered"):
+        lines.append(f"registered: {doc['registered']}")
+    return lines

@@ -31,7 +31,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ckptctl.errors import ExitCode, InvalidInput, OperationFailed, print_error
+from ckptctl.errors import (
+    PARTIAL_WEIGHTS_NOTE,
+    ExitCode,
+    InvalidInput,
+    OperationFailed,
+    print_error,
+)
 from ckptctl.pipeline.coordination import PAST_DEADLINE_S
 
 
@@ -107,6 +113,7 @@ class ReplyWatchingSocket:
         # Set once the first message (the IPC handle) has left: a peer (the server's worker)
         # has connected. Until then a stand-in peer can end the transfer (see `rescue`).
         self.handle_sent = threading.Event()
+        self.rescued = False  # the handle went to our stand-in peer (`rescue`), not a worker
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
@@ -458,8 +465,14 @@ class ParameterServerSession:
         worker is already attached (then only ending the process frees the PS)."""
         if not self.sockets or self.sockets[-1].handle_sent.is_set():
             return False
+        self.sockets[-1].rescued = True
         rescue(self.sockets[-1].endpoint, message)
         return True
+
+    def workers_connected(self) -> bool:
+        """Whether a server's worker took the current update's IPC handle: from then on a
+        failure may leave the server with a mix of old and new weights."""
+        return any(s.handle_sent.is_set() and not s.rescued for s in self.sockets)
 
     def wait_transfer_finished(self, timeout: float) -> bool:
         """Wait until the current transfer's last reply came back (called from the req thread)."""
@@ -468,10 +481,10 @@ class ParameterServerSession:
     def update(
         self, name: str, req_func: Callable[[list[tuple[str, str]]], None], ranks: list[int] | None
     ) -> None:
-        self.ensure_group()
         # Only this update's sockets count: a long-lived job's earlier (failed) pushes left
         # their errors on theirs.
         self.sockets = []
+        self.ensure_group()
         # The group is kept after a failure too. A push refused before the workers connected
         # (`rescue`) goes through the same collectives on every rank, so it stays in step; one
         # rank dropping it alone would leave the others waiting on the old one at the next
@@ -492,7 +505,8 @@ class ParameterServerSession:
             raise failure
 
     def _worker_errors(self) -> list[str]:
-        return [e for s in self.sockets for e in s.errors]
+        # (A rescued transfer's one reply is our stand-in's, not a worker's.)
+        return [e for s in self.sockets if not s.rescued for e in s.errors]
 
     def ensure_group(self) -> float | None:
         """The NCCL process group (building since the session started), kept for every
@@ -515,15 +529,20 @@ class ParameterServerSession:
         if errors or exc is None:
             return OperationFailed(
                 f"the server's worker on {self.device_uuid} failed while loading the weights "
-                f"(the server may now hold partly updated weights): "
+                f"({PARTIAL_WEIGHTS_NOTE}): "
                 f"{last_line(errors[-1]) if errors else exc}"
             )
+        # Another rank's worker failed, or ours stopped answering: once a worker had the
+        # handle, the server may hold some of the new weights all the same.
+        note = f" ({PARTIAL_WEIGHTS_NOTE})" if self.workers_connected() else ""
         if isinstance(exc, zmq.Again):
             return OperationFailed(
                 f"the server's worker for {self.device_uuid} did not answer over IPC in time; "
-                "check that the server runs on this job's GPUs"
+                f"check that the server runs on this job's GPUs{note}"
             )
-        return OperationFailed(f"checkpoint-engine's update failed: {type(exc).__name__}: {exc}")
+        return OperationFailed(
+            f"checkpoint-engine's update failed: {type(exc).__name__}: {exc}{note}"
+        )
 
     def unregister(self, name: str, pool: Any = None) -> None:
         """Drop checkpoint `name`. Buffers that came from `pool` go back to it, still pinned;

@@ -186,6 +186,19 @@ def _in_place_dtypes() -> set[str] | None:
     return set(_TYPES)
 
 
+def _failing_job(job: Job, session: Any) -> Any:
+    """The server's refusal or a timeout during the transfer ends the job (the watchdog); once a
+    worker had taken the IPC handle, the error line says the server may hold a mix of weights."""
+    from ckptctl.errors import PARTIAL_WEIGHTS_NOTE
+
+    def fail(code: int, message: str) -> None:
+        if session.workers_connected() and PARTIAL_WEIGHTS_NOTE not in message:
+            message += f" ({PARTIAL_WEIGHTS_NOTE})"
+        job.watchdog.fail(code, message)
+
+    return fail
+
+
 def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) -> dict[str, Any]:
     """Run every stage on this rank. Returns the job's summary (complete on rank 0)."""
     from ckptctl.pipeline.parameter_server import p2p_missing
@@ -232,6 +245,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             job.watchdog,
             timeout=opts.timeout,
             transfer_finished=session.wait_transfer_finished,
+            on_failure=_failing_job(job, session),
         )
         stages.push(
             job,

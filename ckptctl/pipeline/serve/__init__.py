@@ -1,0 +1,15 @@
+"""`serve`: a long-lived parameter-server job that takes one checkpoint after another.
+
+- control.py: the control socket, the one part other users can reach (where it lives, who
+  may talk to it, the bounded HTTP it speaks), and the client side of `push`/`status`/`stop`;
+- commands.py: commands from rank 0 to every rank over the job's own gloo group - never
+  through torchrun's store, which anyone who reaches the node can write to;
+- loop.py: the loop every rank runs, and what `status` shows;
+- push.py: one push (the stages of `update`) and how it fails without ending the job;
+- run.py: the real job (a ParameterServer per rank).
+"""
+
+from ckptctl.pipeline.serve.loop import ServeLoop, serve_loop
+from ckptctl.pipeline.serve.run import ServeOptions, run_serve
+
+__all__ = ["ServeLoop", "ServeOptions", "run_serve", "serve_loop"]

@@ -1,0 +1,614 @@
+"""The serve job's control socket: the one part of `serve` that other users can reach.
+
+What it trusts: a process of the job owner's uid, and nothing else. Four checks make it so:
+
+- the socket lives in a directory only its owner can enter: `$XDG_RUNTIME_DIR/ckptctl/` when
+  XDG_RUNTIME_DIR is set, else `/tmp/ckptctl-<uid>/`. Each is checked with lstat (a directory,
+  not a symlink, owned by the user, mode 0700) and refused otherwise, never "fixed";
+- the socket itself is 0600, whatever the umask;
+- the server reads every connection's peer credentials (SO_PEERCRED) and answers another uid
+  403 without parsing a byte of its request;
+- a client checks, before connecting, that the path is a socket owned by the user and, once
+  connected, that the process listening runs as the user (SO_PEERCRED again).
+
+`--control-socket PATH` may put it elsewhere: then an existing file at PATH that is not a
+socket is refused (never deleted), a socket of another user is refused, a socket of the user
+that nobody listens on (a job that died) is replaced, and one that answers is in use.
+
+Default names are `serve-<digest>.sock`, the digest taken from the servers the job feeds
+(its --uds paths, else its --endpoint URLs): two serve jobs on one node (two inference
+servers) never share a socket, and `push --endpoint URL` finds the job that feeds URL.
+Without a name a client takes the only job that answers, and refuses to guess among several.
+
+The HTTP spoken here is a small subset, parsed with bounds: one request per connection,
+headers up to 16 KiB, a JSON body up to 64 KiB (Content-Length only; 400 for a malformed
+length, 413 beyond the cap), the whole request within 10 s (408 after), and at most 32
+connections at once. Answers are JSON. No torch here: `push` and `status` start fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import re
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptctl.errors import DeadlineExceeded, OperationFailed, UsageError, print_error
+
+MAX_HEADER_BYTES = 16 * 1024
+MAX_BODY_BYTES = 64 * 1024
+MAX_RESPONSE_BYTES = 16 * 1024 * 1024  # a push's answer carries every rank's figures
+REQUEST_DEADLINE_S = 10.0
+MAX_CONNECTIONS = 32
+SOCKET_GLOB = "serve-*.sock"
+
+# (parsed JSON body, or None without one) -> (HTTP status, JSON answer)
+Handler = Callable[[Any], tuple[int, dict[str, Any]]]
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    409: "Conflict",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    501: "Not Implemented",
+    503: "Service Unavailable",
+}
+
+
+# -- where sockets live ----------------------------------------------------------------------------
+
+
+def check_private_dir(path: str | os.PathLike[str]) -> None:
+    """Refuse unless `path` is a real directory (not a symlink) of this user that nobody else
+    can enter (mode 0700 or stricter)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise UsageError(f"{path} does not exist") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UsageError(
+            f"{path} is not a directory (a symlink or a file): it cannot hold a private control "
+            "socket; remove it, or pass --control-socket"
+        )
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise UsageError(
+            f"{path} is not a private directory of yours (owner uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}; needed: uid {os.getuid()}, 0700): remove it, "
+            "set XDG_RUNTIME_DIR, or pass --control-socket"
+        )
+
+
+def socket_dirs(tmp_root: str = "/tmp") -> list[Path]:
+    """Where serve jobs of this user put their sockets, in order of preference."""
+    dirs = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        dirs.append(Path(runtime) / "ckptctl")
+    dirs.append(Path(tmp_root) / f"ckptctl-{os.getuid()}")
+    return dirs
+
+
+def private_socket_dir(tmp_root: str = "/tmp") -> Path:
+    """The directory a serve job puts its socket in, created 0700 if missing, always checked."""
+    path = socket_dirs(tmp_root)[0]
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        st = os.lstat(runtime) if os.path.lexists(runtime) else None
+        if (
+            st is None
+            or not stat.S_ISDIR(st.st_mode)
+            or st.st_uid != os.getuid()
+            or (st.st_mode & 0o022)
+        ):
+            raise UsageError(
+                f"XDG_RUNTIME_DIR={runtime} is not a directory of yours that only you can write "
+                "to: fix or unset it, or pass --control-socket"
+            )
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # mkdir's mode passes through the umask
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UsageError(
+            f"cannot create {path} for the control socket ({exc.strerror or exc}): set "
+            "XDG_RUNTIME_DIR, or pass --control-socket"
+        ) from None
+    check_private_dir(path)
+    return path
+
+
+def targets_key(targets: Sequence[str]) -> str:
+    """The servers a job feeds, as they name its default socket."""
+    return hashlib.sha256("\n".join(t.rstrip("/") for t in targets).encode()).hexdigest()[:12]
+
+
+def default_socket_path(targets: Sequence[str], tmp_root: str = "/tmp") -> str:
+    return str(private_socket_dir(tmp_root) / f"serve-{targets_key(targets)}.sock")
+
+
+def job_targets(endpoints: Sequence[str], uds: Sequence[str]) -> list[str]:
+    """What identifies the servers a job feeds: their Unix sockets when given, else the URLs."""
+    return [str(u) for u in uds] if uds else [e.rstrip("/") for e in endpoints]
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def _answer(conn: socket.socket, status: int, doc: dict[str, Any]) -> None:
+    body = json.dumps(doc).encode()
+    head = (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    conn.settimeout(REQUEST_DEADLINE_S)  # a client that never reads cannot hold us
+    conn.sendall(head.encode() + body)
+
+
+def _discard_rest(conn: socket.socket) -> None:
+    """After an early answer: closing with the client's bytes unread would reset the
+    connection before the answer arrives. Let it finish sending (1 s, 1 MiB at most) and
+    throw that away, unparsed."""
+    conn.shutdown(socket.SHUT_WR)
+    deadline, left = time.monotonic() + 1.0, 1 << 20
+    while left > 0 and time.monotonic() < deadline:
+        conn.settimeout(max(deadline - time.monotonic(), 0.01))
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        left -= len(chunk)
+
+
+def _recv(conn: socket.socket, deadline: float, what: str) -> bytes:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise HttpError(408, f"the {what} took longer than {REQUEST_DEADLINE_S:g}s")
+    conn.settimeout(left)
+    try:
+        return conn.recv(65536)
+    except TimeoutError:
+        raise HttpError(408, f"the {what} took longer than {REQUEST_DEADLINE_S:g}s") from None
+
+
+def read_request(conn: socket.socket, deadline: float) -> tuple[str, str, bytes] | None:
+    """(method, path, body) of one request, or None when the client left without one."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        if len(buf) > MAX_HEADER_BYTES:
+            raise HttpError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
+        chunk = _recv(conn, deadline, "request")
+        if not chunk:
+            return None
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    if len(head) > MAX_HEADER_BYTES:
+        raise HttpError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise HttpError(400, "not an HTTP/1.x request line")
+    method, target = parts[0], parts[1]
+    headers: dict[str, list[str]] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise HttpError(400, "a malformed header line")
+        headers.setdefault(name.lower(), []).append(value.strip())
+    if "transfer-encoding" in headers:
+        raise HttpError(501, "only bodies with a Content-Length are accepted")
+    lengths = headers.get("content-length", ["0"])
+    if len(set(lengths)) != 1 or not re.fullmatch(r"[0-9]{1,18}", lengths[0]):
+        raise HttpError(400, "Content-Length is not a number")
+    length = int(lengths[0])
+    if length > MAX_BODY_BYTES:
+        raise HttpError(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
+    body = rest
+    while len(body) < length:
+        chunk = _recv(conn, deadline, "request body")
+        if not chunk:
+            return None
+        body += chunk
+    return method, target.split("?", 1)[0], body[:length]
+
+
+def parse_body(body: bytes) -> Any:
+    if not body.strip():
+        return None
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        raise HttpError(400, "the body is not JSON") from None
+
+
+class ControlServer:
+    """A bounded JSON-over-HTTP endpoint on a Unix socket, for the job owner's uid only.
+
+    `handlers` maps (method, path) to a function of the parsed body; a handler may block (a
+    push waits for its result) and is called on the connection's own thread.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        handlers: dict[tuple[str, str], Handler],
+        *,
+        request_deadline_s: float = REQUEST_DEADLINE_S,
+    ) -> None:
+        self.path = path
+        self.handlers = handlers
+        self.request_deadline_s = request_deadline_s
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._refusals = threading.BoundedSemaphore(8)
+        self._closed = threading.Event()
+        self._sock = _bind_private(path)
+        st = os.lstat(path)
+        self._identity = (st.st_dev, st.st_ino)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="ckptctl-control", daemon=True
+        )
+
+    def start(self) -> ControlServer:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop accepting and remove the socket - only if it is still the one we made."""
+        self._closed.set()
+        self._thread.join(timeout=2)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(self.path)
+
+    def _accept_loop(self) -> None:
+        self._sock.settimeout(0.2)
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed.is_set():
+                    return
+                time.sleep(0.1)  # out of file descriptors, say: do not spin
+                continue
+            try:
+                uid = peer_uid(conn)
+            except OSError:
+                conn.close()
+                continue
+            if uid != os.getuid():
+                self._refuse(conn, uid)
+                continue
+            if not self._slots.acquire(blocking=False):
+                with contextlib.suppress(OSError):
+                    _answer(
+                        conn, 503, {"error": f"more than {MAX_CONNECTIONS} connections at once"}
+                    )
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._serve, args=(conn,), name="ckptctl-control-conn", daemon=True
+            ).start()
+
+    def _refuse(self, conn: socket.socket, uid: int) -> None:
+        """Another uid: answered 403 in a thread of its own, its request never parsed."""
+        if not self._refusals.acquire(blocking=False):
+            conn.close()
+            return
+
+        def run() -> None:
+            try:
+                _answer(
+                    conn,
+                    403,
+                    {
+                        "ok": False,
+                        "error": f"this serve job takes commands from uid {os.getuid()} only, not {uid}",
+                    },
+                )
+                _discard_rest(conn)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+                self._refusals.release()
+
+        threading.Thread(target=run, name="ckptctl-control-refuse", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            try:
+                request = read_request(conn, time.monotonic() + self.request_deadline_s)
+                if request is None:
+                    return  # a probe (`push --wait`) or a client that gave up
+                method, path, body = request
+                doc = parse_body(body)
+                if not any(p == path for _, p in self.handlers):
+                    raise HttpError(404, f"no such path: {path[:100]}")
+                handler = self.handlers.get((method, path))
+                if handler is None:
+                    raise HttpError(405, f"{method[:10]} is not allowed on {path}")
+            except HttpError as exc:
+                _answer(conn, exc.status, {"ok": False, "error": str(exc)})
+                _discard_rest(conn)
+                return
+            try:
+                status, answer = handler(doc)
+            except Exception as exc:  # noqa: BLE001 - one line on the job's stderr, never a traceback
+                print_error(f"control socket: {type(exc).__name__}: {exc}", label="warning")
+                status, answer = 500, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            _answer(conn, status, answer)
+        except OSError:
+            pass  # the client went away: nothing to answer
+        finally:
+            conn.close()
+            self._slots.release()
+
+
+def _bind_private(path: str) -> socket.socket:
+    if check_socket_path(path):
+        os.unlink(path)  # a job of ours that is gone left it
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)  # never a moment in which the socket is open to others
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UsageError(
+                f"{path} is in use by another serve job: pick --control-socket"
+            ) from None
+        raise UsageError(
+            f"cannot create the control socket {path}: {exc.strerror or exc}"
+        ) from None
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(64)
+    return sock
+
+
+def check_socket_path(path: str) -> bool:
+    """Whether a serve job may put its socket at `path`; True when a stale socket of ours (a
+    job that died) is in the way and may be replaced. Refuses anything else there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UsageError(
+                f"cannot create the control socket {path}: no such directory"
+            ) from None
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        raise UsageError(
+            f"{path} exists and is not a socket: refusing to replace it (pick another "
+            "--control-socket)"
+        )
+    if st.st_uid != os.getuid():
+        raise UsageError(
+            f"{path} is a socket of uid {st.st_uid}, not yours: refusing to use or remove it "
+            "(pick another --control-socket)"
+        )
+    if _listening(path):
+        raise UsageError(f"{path} is in use by another serve job: pick --control-socket")
+    return True
+
+
+def _listening(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+# -- the client ----------------------------------------------------------------------------------
+
+
+class NotAnswering(OperationFailed):
+    """No serve job of this user answers there (no socket, nobody listening)."""
+
+
+def check_client_socket(path: str) -> None:
+    """Before connecting: `path` must be a socket owned by this user."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise NotAnswering(
+            f"no serve job answers on {path}: start one with `torchrun ... ckptctl serve` "
+            "(or wait for it with --wait SECONDS)"
+        ) from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OperationFailed(f"{path} is not a socket: not a serve job's control socket")
+    if st.st_uid != os.getuid():
+        raise OperationFailed(
+            f"{path} belongs to uid {st.st_uid}, not to you: refusing to talk to it "
+            "(another user's socket, or one planted there)"
+        )
+
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    check_client_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(max(min(timeout, 10.0), 0.1))
+    try:
+        sock.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        sock.close()
+        raise NotAnswering(
+            f"no serve job answers on {path} (a socket left by a job that ended?): start one "
+            "with `torchrun ... ckptctl serve`"
+        ) from None
+    except OSError as exc:
+        sock.close()
+        raise OperationFailed(f"cannot connect to {path}: {exc.strerror or exc}") from None
+    uid = peer_uid(sock)
+    if uid != os.getuid():
+        sock.close()
+        raise OperationFailed(
+            f"the process listening on {path} runs as uid {uid}, not as you: refusing to talk to it"
+        )
+    return sock
+
+
+def answers(path: str) -> bool:
+    """Whether a serve job of this user listens on `path` (connects, checks, hangs up)."""
+    try:
+        _connect(path, 2.0).close()
+    except (OperationFailed, OSError):
+        return False
+    return True
+
+
+def call(
+    path: str, method: str, route: str, body: dict[str, Any] | None, timeout: float
+) -> tuple[int, dict[str, Any]]:
+    """One request to the serve job on `path`: (HTTP status, JSON answer), within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    sock = _connect(path, timeout)
+    try:
+        payload = json.dumps(body).encode() if body is not None else b""
+        head = (
+            f"{method} {route} HTTP/1.1\r\nHost: serve\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+        )
+        sock.sendall(head.encode() + payload)
+        raw = b""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(
+                    f"the serve job on {path} did not answer within {timeout:g}s"
+                )
+            sock.settimeout(left)
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break
+            raw += chunk
+            if len(raw) > MAX_RESPONSE_BYTES:
+                raise OperationFailed(f"the answer on {path} exceeds {MAX_RESPONSE_BYTES} bytes")
+    except OSError as exc:
+        raise OperationFailed(f"the serve job on {path} broke off: {exc.strerror or exc}") from None
+    finally:
+        sock.close()
+    head_bytes, sep, data = raw.partition(b"\r\n\r\n")
+    status_line = head_bytes.split(b"\r\n", 1)[0].split(b" ")
+    try:
+        status = int(status_line[1]) if sep else 0
+        doc = json.loads(data)
+    except (IndexError, ValueError):
+        status, doc = 0, None
+    if not status or not isinstance(doc, dict):
+        raise OperationFailed(
+            f"the serve job on {path} ended the connection without an answer (it may have stopped)"
+        )
+    return status, doc
+
+
+# -- which socket a client talks to --------------------------------------------------------------
+
+
+def live_sockets(tmp_root: str = "/tmp") -> list[str]:
+    """The control sockets of this user's serve jobs on this node that answer."""
+    found = []
+    for d in socket_dirs(tmp_root):
+        try:
+            check_private_dir(d)
+        except UsageError:
+            continue  # missing, or not private: no serve job of ours put a socket there
+        for p in sorted(d.glob(SOCKET_GLOB)):
+            if answers(str(p)):
+                found.append(str(p))
+    return found
+
+
+def _serves(path: str, wanted: Sequence[str]) -> bool:
+    try:
+        status, doc = call(path, "GET", "/status", None, 5.0)
+    except OperationFailed:
+        return False
+    have = {str(t).rstrip("/") for t in doc.get("targets") or []}
+    return status == 200 and all(w.rstrip("/") in have for w in wanted)
+
+
+def choose_socket(wanted: Sequence[str], tmp_root: str = "/tmp") -> str:
+    """The socket of the one serve job that feeds `wanted` (every job when empty); refuse to
+    guess among several."""
+    live = live_sockets(tmp_root)
+    if wanted:
+        named = [p for p in live if Path(p).name == f"serve-{targets_key(wanted)}.sock"]
+        live = named or [p for p in live if _serves(p, wanted)]
+    if len(live) == 1:
+        return live[0]
+    which = f" for {', '.join(wanted)}" if wanted else ""
+    if not live:
+        raise NotAnswering(
+            f"no serve job of yours answers on this node{which} (looked in "
+            f"{', '.join(str(d) for d in socket_dirs(tmp_root))}): start one with "
+            "`torchrun ... ckptctl serve`, or wait for it with --wait SECONDS"
+        )
+    raise UsageError(
+        f"{len(live)} serve jobs answer on this node{which}: pick one with --endpoint URL or "
+        f"--control-socket PATH ({'; '.join(live)})"
+    )
+
+
+def resolve_socket(
+    explicit: str | None, wanted: Sequence[str], wait_s: float, tmp_root: str = "/tmp"
+) -> str:
+    """The control socket to talk to, waiting up to `wait_s` for a serve job to answer on it
+    (`serve &` then `push --wait 600`: the socket appears once every rank is up)."""
+    deadline = time.monotonic() + max(wait_s, 0.0)
+    while True:
+        try:
+            if explicit:
+                _connect(explicit, 2.0).close()  # raises why not
+                return explicit
+            return choose_socket(wanted, tmp_root)
+        except NotAnswering as exc:
+            if time.monotonic() >= deadline:
+                if wait_s > 0:
+                    raise DeadlineExceeded(f"waited {wait_s:g}s: {exc}") from None
+                raise
+        time.sleep(0.2)

@@ -1,0 +1,397 @@
+"""The loop every rank of a serve job runs: take the next command, run it, share the results.
+
+Commands come from the control socket of global rank 0's node (control.py) and reach every
+rank over the job's own gloo group (commands.py); the ranks tick together about ten times a
+second and run the same commands in the same order. Other nodes' control sockets answer
+`status` (this node's view, which every rank keeps: results go to every rank) and `stop`,
+and refuse `push` with the host to push on. A stop - `ckptctl stop` on any node, SIGTERM or
+SIGINT to any rank - travels in the next tick and ends every rank together.
+
+A push runs the stages of `update` (push.py) in a store scope of its own (`push<seq>/`), so
+that one push's keys never answer the next one's waits. Its deadline is the job's
+`--push-timeout`: the stages see it as their watchdog's (PushClock), and a push that runs
+past it fails alone where it can; the job's own watchdog ends the job only HARD_GRACE_S later,
+for a push stuck where nothing else can end it. Any failure of a push fails that push on every
+rank, and the job goes on serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from ckptctl.errors import (
+    PARTIAL_WEIGHTS_NOTE,
+    CkptctlError,
+    ExitCode,
+    OperationFailed,
+)
+from ckptctl.pipeline.job import Job
+from ckptctl.pipeline.serve.commands import TICK_TIMEOUT_S, CommandChannel
+from ckptctl.pipeline.serve.control import ControlServer, Handler, default_socket_path
+from ckptctl.pipeline.serve.push import HARD_GRACE_S, PushClock
+from ckptctl.progress import StageLog
+
+Executor = Callable[[Job, dict[str, Any]], dict[str, Any]]
+
+TICK_S = 0.1
+MAX_QUEUED = 16
+PUSH_FIELDS = {"checkpoint_path", "checkpoint_name", "weight_version", "consume_shm_files"}
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@dataclass
+class _Pending:
+    """A push waiting on rank 0 for its turn and then for its result."""
+
+    command: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict[str, Any] | None = None
+
+    def finish(self, result: dict[str, Any]) -> None:
+        self.result = result
+        self.done.set()
+
+
+def failure_result(exc: BaseException) -> dict[str, Any]:
+    """A failed push as a plain result. Only text is kept: the exception's traceback holds
+    the push's frames and, through them, its buffers (checkpoint-engine's GPU buffers too)."""
+    error = (
+        exc if isinstance(exc, CkptctlError) else OperationFailed(f"{type(exc).__name__}: {exc}")
+    )
+    return {
+        "ok": False,
+        "exit_code": int(error.exit_code),
+        "error": str(error),
+        # Set by the executor on a failure after the server's workers connected (push.py).
+        "server_weights": getattr(exc, "server_weights", None),
+    }
+
+
+def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's result of one push as one: ok only if every rank's is."""
+    failed = [r for r in ranks if not r.get("ok")]
+    # Another rank's "rank N failed: ..." echoes the failure; the rank that failed says it best.
+    first = next((r for r in failed if not str(r.get("error")).startswith("rank ")), None)
+    first = first or (failed[0] if failed else None)
+    partial = any(r.get("server_weights") == "partial" for r in ranks)
+    error = None if first is None else str(first.get("error"))
+    if error is not None and partial and PARTIAL_WEIGHTS_NOTE not in error:
+        error += f" ({PARTIAL_WEIGHTS_NOTE}: push a whole checkpoint again)"
+    sizes = [r["total_bytes"] for r in ranks if isinstance(r.get("total_bytes"), int)]
+    return {
+        "ok": first is None,
+        "exit_code": 0 if first is None else int(first.get("exit_code") or ExitCode.FAILED),
+        "error": error,
+        "action": command.get("action", "push"),
+        "seq": command["seq"],
+        "checkpoint_path": command.get("checkpoint_path"),
+        "checkpoint_name": ranks[0].get("checkpoint_name") or command.get("checkpoint_name"),
+        "weight_version": command.get("weight_version"),
+        # whole: the server holds every tensor of this push; partial: a mix of old and new;
+        # None: this push never reached the server's weights.
+        "server_weights": "whole" if first is None else ("partial" if partial else None),
+        "started_at": command.get("started_at"),
+        "finished_at": utc_now(),
+        "seconds": max((float(r.get("seconds") or 0) for r in ranks), default=0.0),
+        "total_bytes": max(sizes) if sizes else None,
+        "ranks": ranks,
+    }
+
+
+class ServeState:
+    """What `status` shows, kept on every rank (read from the control socket's threads)."""
+
+    def __init__(self, *, rank: int, world_size: int, targets: list[str]) -> None:
+        self._lock = threading.Lock()
+        self.rank = rank
+        self.world_size = world_size
+        self.targets = targets
+        self.hosts: list[str] = []
+        self.commands = 0
+        self.running: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None
+        self.server_weights: str | None = None  # None until a push reaches the server
+        self.weights: dict[str, Any] | None = None  # the last whole set pushed
+        self.stopping = False
+
+    def begin(self, command: dict[str, Any]) -> None:
+        with self._lock:
+            self.running = {k: command.get(k) for k in ("seq", "checkpoint_path", "started_at")}
+
+    def record(self, merged: dict[str, Any]) -> None:
+        with self._lock:
+            self.commands += 1
+            self.running = None
+            self.last = merged
+            if merged["ok"]:
+                self.server_weights = "whole"
+                self.weights = {
+                    k: merged[k]
+                    for k in ("seq", "checkpoint_path", "checkpoint_name", "weight_version")
+                }
+                self.weights["pushed_at"] = merged["finished_at"]
+            elif merged["server_weights"] == "partial":
+                self.server_weights = "partial"
+
+    def snapshot(self, queued: int, extra: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            state = "stopping" if self.stopping else ("busy" if self.running or queued else "idle")
+            return {
+                "ok": True,
+                "state": state,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "takes_push": self.rank == 0,
+                "push_host": self.hosts[0] if self.hosts else None,
+                "targets": self.targets,
+                "commands": self.commands,
+                "queued": queued,
+                "running": self.running,
+                "server_weights": self.server_weights,
+                "weights": self.weights,
+                "last": self.last,
+                **extra,
+            }
+
+
+class ServeLoop:
+    def __init__(
+        self,
+        job: Job,
+        execute: Executor,
+        channel: CommandChannel,
+        *,
+        push_timeout: float,
+        state: dict[str, Any],
+        targets: list[str],
+    ) -> None:
+        self.job = job
+        self.execute = execute
+        self.channel = channel
+        self.push_timeout = push_timeout
+        self.executor_state = state  # the executor's own (registered, pinned pool)
+        self.rank = job.launch.rank
+        self.state = ServeState(rank=self.rank, world_size=job.launch.world_size, targets=targets)
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._next_seq = 1
+        self._stop_reason: str | None = None
+        self._wake = threading.Event()
+
+    # -- the control socket's handlers (its threads) ------------------------------------------------
+    def handlers(self) -> dict[tuple[str, str], Handler]:
+        return {
+            ("GET", "/status"): self.handle_status,
+            ("POST", "/push"): self.handle_push,
+            ("POST", "/stop"): self.handle_stop,
+        }
+
+    def handle_status(self, _doc: Any) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            queued = len(self._queue)
+        extra = {k: self.executor_state.get(k) for k in ("registered", "pinned_pool_bytes")}
+        return 200, self.state.snapshot(queued, extra)
+
+    def handle_stop(self, _doc: Any) -> tuple[int, dict[str, Any]]:
+        self.request_stop("stopped by a client (ckptctl stop)")
+        return 200, {"ok": True, "stopping": True}
+
+    def handle_push(self, doc: Any) -> tuple[int, dict[str, Any]]:
+        if self.rank != 0:
+            where = self.state.hosts[0] if self.state.hosts else "rank 0's node"
+            return 409, {
+                "ok": False,
+                "error": f"this node's serve job takes status and stop only: push on {where} "
+                "(the node of global rank 0)",
+            }
+        problem = _check_push(doc)
+        if problem:
+            return 400, {"ok": False, "error": problem}
+        with self._lock:
+            if self._stop_reason is not None or self.state.stopping:
+                return 503, {"ok": False, "error": "the serve job is stopping"}
+            if len(self._queue) >= MAX_QUEUED:
+                return 503, {"ok": False, "error": f"{MAX_QUEUED} pushes are already waiting"}
+            command = {
+                "action": "push",
+                "seq": self._next_seq,
+                "checkpoint_path": doc["checkpoint_path"],
+                "checkpoint_name": doc.get("checkpoint_name"),
+                "weight_version": doc.get("weight_version"),
+                "consume_shm_files": bool(doc.get("consume_shm_files")),
+            }
+            self._next_seq += 1
+            pending = _Pending(command)
+            self._queue.append(pending)
+        self._wake.set()
+        # Every push before it, then its own, each bounded by the job's watchdogs.
+        per_push = self.push_timeout + HARD_GRACE_S + TICK_TIMEOUT_S
+        if not pending.done.wait(per_push * (command["seq"] - self.state.commands)):
+            return 200, {
+                "ok": False,
+                "exit_code": int(ExitCode.TIMEOUT),
+                "error": f"the serve job did not finish push {command['seq']} in time",
+                "seq": command["seq"],
+            }
+        assert pending.result is not None
+        return 200, pending.result
+
+    def request_stop(self, reason: str) -> None:
+        with self._lock:
+            if self._stop_reason is None:
+                self._stop_reason = reason
+        self._wake.set()
+
+    # -- the loop (main thread) ------------------------------------------------------------------------
+    def run(self) -> str:
+        """Run every command, in order, until a stop; returns why it stopped."""
+        job = self.job
+        job.watchdog.on_signal = lambda sig: self.request_stop(f"stopped by {sig.name}")
+        job.watchdog.deadline = float("inf")  # serving is not bounded; each push is
+        try:
+            while True:
+                self._wake.wait(TICK_S)
+                self._wake.clear()
+                with self._lock:
+                    pending = self._queue[0] if self._queue else None
+                    stop_reason = self._stop_reason
+                data = b""
+                if pending is not None:
+                    pending.command["started_at"] = utc_now()
+                    data = json.dumps(pending.command).encode()
+                command, stop = self.channel.tick(data, stop_reason)
+                if stop is not None:
+                    return f"{stop[1]} (on rank {stop[0]})"
+                if command is None:
+                    continue
+                if pending is not None:
+                    with self._lock:
+                        self._queue.popleft()
+                merged = self._run(command)
+                if pending is not None:
+                    pending.finish(merged)
+        finally:
+            job.watchdog.on_signal = None
+            with self._lock:
+                self.state.stopping = True
+                left, self._queue = list(self._queue), collections.deque()
+            for p in left:
+                p.finish({"ok": False, "exit_code": int(ExitCode.FAILED),
+                          "error": "the serve job stopped before this push ran",
+                          "seq": p.command["seq"]})  # fmt: skip
+
+    def _run(self, command: dict[str, Any]) -> dict[str, Any]:
+        self.state.begin(command)
+        mine = self._execute(command)
+        ranks = self.channel.gather(mine, self.push_timeout + HARD_GRACE_S + TICK_TIMEOUT_S)
+        merged = merge_results(command, ranks)
+        self.state.record(merged)
+        if self.rank == 0:
+            what = f"push {merged['seq']} ({merged['checkpoint_path']})"
+            self.job.reporter.log(
+                f"{what}: done in {merged['seconds']:.2f}s"
+                if merged["ok"]
+                else f"{what} failed: {merged['error']}"
+            )
+        return merged
+
+    def _execute(self, command: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of one push, under the push's own deadline."""
+        job = self.job
+        assert job.coordinator is not None
+        job.reporter.figures = StageLog()  # this push's stages only
+        deadline = time.monotonic() + self.push_timeout
+        job.watchdog.deadline = deadline + HARD_GRACE_S
+        clock = PushClock(job.watchdog, deadline, self.push_timeout)
+        push_job = Job(
+            job.launch,
+            job.coordinator.scoped(f"push{command['seq']}"),
+            cast(Any, clock),
+            job.reporter,
+        )
+        started = time.perf_counter()
+        try:
+            result = {"ok": True, "exit_code": 0, "error": None, **self.execute(push_job, command)}
+        except Exception as exc:  # noqa: BLE001 - one failed push must not end the job
+            # checkpoint-engine raises plain exceptions too (an assert, a pin failure); the
+            # push fails with them like with ours, and every rank gives up on it.
+            result = failure_result(exc)
+        finally:
+            job.watchdog.deadline = float("inf")
+        if not result["ok"]:
+            assert push_job.coordinator is not None
+            push_job.coordinator.publish_abort(result["exit_code"], result["error"])
+        result["rank"] = job.launch.rank
+        result["seconds"] = round(time.perf_counter() - started, 4)
+        return result
+
+
+def _check_push(doc: Any) -> str | None:
+    """Why a push request cannot run, or None."""
+    if not isinstance(doc, dict):
+        return 'push needs a JSON object: {"checkpoint_path": DIR, ...}'
+    unknown = sorted(set(doc) - PUSH_FIELDS)
+    if unknown:
+        return f"unknown fields {unknown}; known: {sorted(PUSH_FIELDS)}"
+    path = doc.get("checkpoint_path")
+    if not isinstance(path, str) or not path or len(path) > 4096:
+        return 'push needs {"checkpoint_path": DIR}'
+    for key in ("checkpoint_name", "weight_version"):
+        value = doc.get(key)
+        if value is not None and (not isinstance(value, str) or len(value) > 1024):
+            return f"{key} must be a string of at most 1024 characters"
+    if not isinstance(doc.get("consume_shm_files", False), bool):
+        return "consume_shm_files must be true or false"
+    return None
+
+
+def serve_loop(
+    job: Job,
+    execute: Executor,
+    *,
+    control_socket: str | None,
+    push_timeout: float,
+    state: dict[str, Any] | None = None,
+    targets: list[str] | None = None,
+) -> str:
+    """Serve commands until a stop; returns why it stopped.
+
+    control_socket: where this node's control endpoint listens (its local rank 0 hosts it);
+    None: the default, named after `targets` (control.py). state: the executor's own state,
+    shown by `status` (registered, pinned_pool_bytes).
+    """
+    assert job.coordinator is not None
+    launch = job.launch
+    channel = CommandChannel(job.coordinator.second_connection(), launch.rank, launch.world_size)
+    server = None
+    try:
+        loop = ServeLoop(
+            job,
+            execute,
+            channel,
+            push_timeout=push_timeout,
+            state=state if state is not None else {},
+            targets=targets or [],
+        )
+        # Every rank is in the group: learn where each one runs (status names rank 0's host).
+        hosts = channel.gather({"host": socket.gethostname()}, TICK_TIMEOUT_S)
+        loop.state.hosts = [d["host"] for d in hosts]
+        if launch.local_rank == 0:
+            path = control_socket or default_socket_path(targets or [])
+            server = ControlServer(path, loop.handlers()).start()
+            job.reporter.log(f"serving: control socket {path}")
+        return loop.run()
+    finally:
+        if server is not None:
+            server.close()
+        channel.close()

@@ -1,0 +1,69 @@
+"""The real serve job: a ParameterServer per rank, kept up between pushes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckptctl.pipeline.coordination import Coordinator
+from ckptctl.pipeline.job import Job
+from ckptctl.pipeline.serve.control import check_socket_path, default_socket_path, job_targets
+from ckptctl.pipeline.serve.loop import serve_loop
+from ckptctl.pipeline.serve.push import gpu_executor
+
+
+@dataclass
+class ServeOptions:
+    servers: Any  # ServerTargets
+    control_socket: str | None = None  # None: named after the servers (control.py)
+    split: str = "auto"
+    register_mode: str = "engine"
+    push_timeout: float = 600.0
+    bucket_size_gb: float | None = None
+    mem_fraction: float | None = None
+    verbose: bool = False
+
+
+def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict[str, Any]:
+    from ckptctl.pipeline import stages
+    from ckptctl.pipeline.job import prepare_environment, run_job
+
+    launch = prepare_environment(bucket_size_gb=opts.bucket_size_gb, mem_fraction=opts.mem_fraction)
+    assignment = opts.servers.assign(launch)
+    targets = job_targets(opts.servers.endpoints, opts.servers.uds)
+    control_socket = opts.control_socket
+    if launch.local_rank == 0:
+        # Refuse a socket path we could not use now, not after a minute of start-up.
+        control_socket = control_socket or default_socket_path(targets)
+        check_socket_path(control_socket)
+    state: dict[str, Any] = {"registered": None, "pool": None}
+
+    def body(job: Job) -> dict[str, Any]:
+        if job.coordinator is None:  # one process: a store of our own for the rendezvous
+            job.coordinator = Coordinator.local(job.launch)
+            job.watchdog.coordinator = job.coordinator
+        session = stages.start_parameter_server(job, p2p="off")
+        # The NCCL group now, not at the first push: a job that cannot build it fails at
+        # start-up instead of failing every push.
+        stages.build_group(job, session)
+        if opts.register_mode == "direct":
+            from ckptctl.pipeline.pinning import PinnedPool
+
+            state["pool"] = PinnedPool()  # pinned once, refilled by every push
+        ended = serve_loop(
+            job,
+            gpu_executor(opts, session, assignment, state),
+            control_socket=control_socket,
+            push_timeout=opts.push_timeout,
+            state=state,
+            targets=targets,
+        )
+        if state["registered"] is not None:
+            session.unregister(state["registered"], state["pool"])
+        if state["pool"] is not None:
+            state["pool"].close()
+        return {"ok": True, "ended": ended, "world_size": launch.world_size}
+
+    return run_job(
+        launch, reporter, body, timeout=opts.push_timeout, verbose=opts.verbose, debug=debug
+    )

@@ -1,0 +1,214 @@
+"""Pushes of a real `ckptctl serve` job on CPU (torchrun, 2 ranks, real HTTP to a fake SGLang),
+with only checkpoint-engine's ParameterServer stood in (tests/cpu_ps_rank.py): how a push fails
+without ending the job, what `status` then says, the closing barrier of every push, and the
+default control socket named after the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import run_script, wait_for_path
+from fake_server import Behaviour, FakeServer, torchrun_cmd
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
+SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))
+
+pytestmark = pytest.mark.slow
+
+
+def _serve(endpoint: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        torchrun_cmd(
+            SCRIPT, "serve", "--inference-parallel-size", "2", "--endpoint", endpoint, *args
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _push(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_script(
+        "push", "--control-socket", sock, "--checkpoint-path", str(TINY), "--json", *args,
+        timeout=120,
+    )  # fmt: skip
+
+
+def _status(sock: str) -> dict:
+    r = run_script("status", "--control-socket", sock, "--json", timeout=30)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _stop(job: subprocess.Popen[str], sock: str) -> tuple[str, str]:
+    assert run_script("stop", "--control-socket", sock, timeout=30).returncode == 0
+    return job.communicate(timeout=60)
+
+
+def test_a_push_that_breaks_off_after_the_workers_connected_says_partial_and_the_next_push_makes_it_whole(
+    short_tmp: Path,
+) -> None:
+    """Issue 14 item 9: the server may now hold a mix of old and new weights. The push's error
+    and JSON say so, `status` shows it, and the next good push (every tensor) records a whole
+    set again, with its checkpoint and weight version."""
+    sock = str(short_tmp / "serve.sock")
+    with FakeServer(Behaviour()) as s:
+        job = _serve(s.endpoint, "--control-socket", sock, "--push-timeout", "60")
+        try:
+            assert wait_for_path(sock)
+            assert _status(sock)["server_weights"] is None  # nothing pushed yet
+            first = _push(sock, "--weight-version", "v1", "--checkpoint-name", "one")
+            assert first.returncode == 0, first.stderr
+            assert json.loads(first.stdout)["server_weights"] == "whole"
+
+            # The stand-in's workers take the handle, then one fails mid-transfer; SGLang
+            # then answers 400 too (its "partially updated" refusal).
+            s.behaviour.update_status = 400
+            s.behaviour.update_message = "partially updated. Please discard the whole weights"
+            broken = _push(
+                sock, "--weight-version", "v2", "--checkpoint-name", "x-fail-after-connect"
+            )
+            s.behaviour.update_status = 200
+            assert broken.returncode == 1, broken.stderr
+            doc = json.loads(broken.stdout)
+            assert doc["ok"] is False and doc.get("server_weights") == "partial", doc
+            assert "partly updated weights" in doc["error"]
+            assert "partly updated weights" in broken.stderr
+            st = _status(sock)
+            assert st["server_weights"] == "partial" and st["state"] == "idle"
+            assert st["weights"]["checkpoint_name"] == "one"  # the last whole set
+            human = run_script("status", "--control-socket", sock, timeout=30)
+            assert "server weights: PARTIAL" in human.stdout, human.stdout
+
+            again = _push(sock, "--weight-version", "v3", "--checkpoint-name", "three")
+            assert again.returncode == 0, again.stderr
+            assert s.behaviour.weight_version == "v3"
+            st = _status(sock)
+            assert st["server_weights"] == "whole"
+            assert st["weights"]["checkpoint_path"] == str(TINY.resolve())
+            assert st["weights"]["weight_version"] == "v3" and st["weights"]["seq"] == 3
+            assert st["last"]["ok"] and st["last"]["total_bytes"] > 0
+            assert st["last"]["ranks"][0]["figures"]["stages"]["update"]["seconds"] >= 0
+            assert st["registered"] == "three"
+            human = run_script("status", "--control-socket", sock, timeout=30).stdout
+            assert "server weights: whole, from push 3" in human and "weight version v3" in human
+            out, err = _stop(job, sock)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert job.returncode == 0, err[-3000:]
+
+
+def test_a_push_past_its_timeout_fails_alone_and_the_job_serves_on(short_tmp: Path) -> None:
+    """Issue 14 item 4 in serve: a server that takes longer than --push-timeout fails that push
+    with exit 4; its workers never connected, so the transfer is ended (the rescue) and the
+    next push goes through."""
+    sock = str(short_tmp / "serve.sock")
+    with FakeServer(Behaviour(update_delay_s=30)) as s:
+        job = _serve(s.endpoint, "--control-socket", sock, "--push-timeout", "3")
+        try:
+            assert wait_for_path(sock)
+            slow = _push(sock)
+            assert slow.returncode == 4, slow.stderr
+            assert json.loads(slow.stdout)["server_weights"] is None  # never reached them
+            s.behaviour.update_delay_s = 0
+            ok = _push(sock, "--weight-version", "after")
+            assert ok.returncode == 0, ok.stderr
+            assert s.behaviour.weight_version == "after"
+            assert job.poll() is None
+            out, err = _stop(job, sock)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert job.returncode == 0, err[-3000:]
+
+
+def test_no_rank_frees_the_previous_checkpoint_before_every_rank_has_pushed(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    """Issue 14 item 10 (checkpoint-engine #106): from the second update on, its own barrier no
+    longer waits. Rank 1 is slow here; no rank may unregister the checkpoint a push replaces
+    while another rank is still in that push's update."""
+    sock, events = str(short_tmp / "serve.sock"), tmp_path / "events"
+    with FakeServer(Behaviour()) as s:
+        job = _serve(
+            s.endpoint,
+            "--control-socket",
+            sock,
+            env={"CPU_PS_SLOW_UPDATE_RANK": "1", "CPU_PS_EVENTS": str(events)},
+        )
+        try:
+            assert wait_for_path(sock)
+            for name in ("a", "b", "c"):
+                r = _push(sock, "--checkpoint-name", name)
+                assert r.returncode == 0, r.stderr
+            _, err = _stop(job, sock)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert job.returncode == 0, err[-3000:]
+    lines = [json.loads(x) for x in events.read_text().splitlines()]
+    order = [(e["event"], e["name"], e["rank"]) for e in lines]
+    for previous, name in (("a", "b"), ("b", "c")):
+        last_update = max(order.index(("update-end", name, r)) for r in (0, 1))
+        for r in (0, 1):
+            freed = order.index(("unregister", previous, r))
+            assert freed > last_update, f"rank {r} freed {previous} during push {name}: {order}"
+
+
+def test_the_default_socket_is_named_after_the_server(short_tmp: Path) -> None:
+    """Without --control-socket: the job's socket lives in $XDG_RUNTIME_DIR/ckptctl/, named
+    after its server; `push --endpoint URL` finds it, so does a plain `status` (the only job),
+    and `push --wait` started with the job waits for it."""
+    xdg = short_tmp / "xdg"
+    xdg.mkdir(mode=0o700)
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    with FakeServer(Behaviour()) as s:
+        job = _serve(s.endpoint, env=env)
+        try:
+            push = run_script(
+                "push", "--endpoint", s.endpoint, "--checkpoint-path", str(TINY),
+                "--wait", "120", "--weight-version", "w1", env=env, timeout=180,
+            )  # fmt: skip
+            assert push.returncode == 0, push.stderr
+            assert s.behaviour.weight_version == "w1"
+            st = run_script("status", "--json", env=env, timeout=30)
+            assert st.returncode == 0, st.stderr
+            doc = json.loads(st.stdout)
+            sock = doc["control_socket"]
+            assert Path(sock).parent == xdg / "ckptctl" and Path(sock).name.startswith("serve-")
+            assert doc["targets"] == [s.endpoint.rstrip("/")]
+            other = run_script(
+                "push", "--endpoint", "http://127.0.0.1:1", "--checkpoint-path", str(TINY),
+                env=env, timeout=30,
+            )  # fmt: skip
+            assert other.returncode == 1 and "no serve job of yours answers" in other.stderr
+            stop = run_script("stop", "--wait", "60", env=env, timeout=90)
+            assert stop.returncode == 0, stop.stderr
+            _, err = job.communicate(timeout=60)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert job.returncode == 0, err[-3000:]
+    assert not os.path.exists(sock)
+
+
+def test_an_update_that_breaks_off_after_the_workers_connected_says_partial_in_its_json() -> None:
+    """The same for `update`: its error line and its JSON document say the server's weights
+    may be partial."""
+    with FakeServer(Behaviour()) as s:
+        cmd = torchrun_cmd(
+            SCRIPT, "update", "--checkpoint-path", str(TINY), "--checkpoint-name",
+            "x-fail-after-connect", "--inference-parallel-size", "2", "--endpoint", s.endpoint,
+            "--timeout", "60", "--json",
+        )  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["server_weights"] == "partial", doc
+    assert "partly updated weights" in doc["error"]
