@@ -13,7 +13,9 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from bench_update import (  # noqa: E402
+    MODELS,
     all_received,
     report,
     start_receiver,
@@ -79,7 +82,7 @@ def set_receiver(endpoint: str, **config: Any) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["qwen3-4b", "qwen3-8b"], default="qwen3-8b")
+    parser.add_argument("--model", choices=list(MODELS), default="qwen3-8b")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pushes", type=int, default=10)
     parser.add_argument("--register-mode", default="direct", choices=["engine", "direct"])
@@ -91,6 +94,8 @@ def main() -> None:
     )
     parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--extra", default="", help="more flags for ckptctl serve")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     args = parser.parse_args()
 
     # The first is bench_update.py's (same seed), reused when that already wrote it.
@@ -107,7 +112,7 @@ def main() -> None:
     cmd = torchrun_cmd(
         "--no-python", "ckptctl", "serve", "--control-socket", sock,
         "--inference-parallel-size", str(args.tp), "--endpoint", endpoint,
-        "--register-mode", args.register_mode, "--push-timeout", "300",
+        "--register-mode", args.register_mode, "--push-timeout", "300", *args.extra.split(),
         nproc=args.tp,
     )  # fmt: skip
     t_start = time.perf_counter()
@@ -188,7 +193,12 @@ def main() -> None:
             job.kill()
         receiver.terminate()
         receiver.wait(timeout=60)
+        if not args.keep:
+            for ckpt in ckpts:
+                shutil.rmtree(ckpt, ignore_errors=True)
+            shutil.rmtree(shm_dir, ignore_errors=True)
 
+    disk = sorted(r["client_wall_s"] for r in pushes if r.get("shm_copy_s") is None)
     doc = {
         "model": args.model,
         "tp": args.tp,
@@ -198,13 +208,16 @@ def main() -> None:
         "serve_startup_s": round(startup_s, 3),
         "serve_exit_code": job.returncode,
         "gpu_memory_used_mib_before_serve": gpu_before,
+        "median_push_s": statistics.median(disk) if disk else None,
+        "median_push_after_first_s": statistics.median(disk[1:]) if len(disk) > 1 else None,
         "pushes": pushes,
         "refused_push": refused,
         "status_at_end": status,
         "command": " ".join(cmd[2:]),
         "bench_command": f"python bench/bench_serve.py --model {args.model} --tp {args.tp} "
         f"--pushes {args.pushes} --register-mode {args.register_mode} "
-        f"--consume-pushes {args.consume_pushes}",
+        f"--consume-pushes {args.consume_pushes}"
+        + (f" --extra '{args.extra}'" if args.extra else ""),
     }
     write_results(
         args.out, f"serve-{args.model}-tp{args.tp}-{args.register_mode}", doc, markdown(doc)
@@ -228,9 +241,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"serve start-up (torchrun to control socket): {doc['serve_startup_s']:.2f} s; "
         f"exit code after POST /stop: {doc['serve_exit_code']}; refused push: {refused_text}.",
         "",
-        "| push | from | client wall s | register s | gather s | update s | bit-exact | "
-        "GPU MiB used (per GPU) | serve rank RSS GB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| push | from | client wall s | split s | register s (read + pin, max rank) | gather s | "
+        "update s | bit-exact | GPU MiB used (per GPU) | serve rank RSS GB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in doc["pushes"]:
         ranks = row["result"].get("ranks") or []
@@ -243,16 +256,31 @@ def markdown(doc: dict[str, Any]) -> str:
             ]
             return f"{max(vals):.2f}" if vals else "-"
 
+        reads = [
+            re.search(
+                r"read ([0-9.]+)s \+ pin ([0-9.]+)s", r["figures"]["stages"]["register"]["detail"]
+            )
+            for r in ranks
+            if "register" in r.get("figures", {}).get("stages", {})
+        ]
+        read = max((float(m.group(1)) for m in reads if m), default=None)
+        pin = max((float(m.group(2)) for m in reads if m), default=None)
+        read_text = f" ({read:.2f} + {pin:.2f})" if read is not None and pin is not None else ""
         lines.append(
             f"| {row['push']} | {row.get('path', 'disk')} | {row['client_wall_s']:.2f} | "
-            f"{stage('register')} | "
+            f"{stage('split')} | {stage('register')}{read_text} | "
             f"{stage('gather_metas')} | {stage('update')} | {row['bit_exact']} | "
             f"{row['gpu_memory_used_mib']} | "
             f"{[round(x / 1e9, 1) for x in row['rank_rss_bytes']]} |"
         )
-    walls = sorted(r["client_wall_s"] for r in doc["pushes"][1:] if r.get("shm_copy_s") is None)
-    if walls:
-        lines += ["", f"Median push after the first: {walls[len(walls) // 2]:.2f} s.", ""]
+    if doc.get("median_push_s") is not None:
+        lines += [
+            "",
+            f"**Median of the {sum(1 for r in doc['pushes'] if r.get('shm_copy_s') is None)} "
+            f"pushes from disk: {doc['median_push_s']:.2f} s** (after the first, which pins the "
+            f"pool: {doc['median_push_after_first_s'] or 0:.2f} s).",
+            "",
+        ]
     consumed = [r for r in doc["pushes"] if r.get("shm_copy_s") is not None]
     if consumed:
         lines += [

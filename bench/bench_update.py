@@ -1,14 +1,20 @@
 """Benchmark `torchrun ... ckptctl update` on a GPU node against the machine's own limits.
 
     python bench/bench_update.py --model qwen3-8b --tp 2 --out bench/results   # 16.4 GB, 2 GPUs
+    python bench/bench_update.py --model qwen3-32b --tp 2 --register-modes direct   # 65.5 GB
+    python bench/bench_update.py --model deepseek-v3-small --tp 2   # 90k tensors, 3.1 GB
     python bench/bench_update.py --model qwen3-4b --tp 1 --out bench/results   # quick, 1 GPU
 
-It writes a synthetic bf16 checkpoint with the model's real tensor names and shapes (HF layout:
-4 GiB shards + index.json, random bytes), starts the test receiver (tests/gpu_receiver.py: one
+It writes a synthetic checkpoint with the model's real tensor names and shapes (HF layout:
+shards + index.json, random bytes), starts the test receiver (tests/gpu_receiver.py: one
 process per GPU loading through checkpoint_engine.worker.update_weights_from_ipc and checking
 every tensor bit for bit), runs the real CLI under torchrun, and measures in the same run:
-pinned and pageable host->device copies, cold and warm reads of the shards, and the bare
-`torchrun` + `import torch` + NCCL process-group time. Results: JSON + Markdown in --out.
+pinned and pageable host->device copies, the page cache's read limit with 1..16 threads (each
+reading 64 MiB pieces with os.preadv) and the disk's (the files dropped from the page cache
+with posix_fadvise first), and the bare `torchrun` + `import torch` + NCCL process-group time.
+Each contender (the seed script with --seed-script, then each --register-modes) runs --runs
+times, the first from a cold page cache (--cold-first), the others warm. ckptctl's read is
+reported per rank against both limits. Results: JSON + Markdown in --out.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
 
 from fake_server import free_port, torchrun_cmd  # noqa: E402
 
@@ -35,21 +42,34 @@ GiB = 1 << 30
 # -- the checkpoint ----------------------------------------------------------------------------
 
 
+# name: (tensor specs, shard size). Qwen3 in HF's 4 GiB shards; the DeepSeek-V3 layout at small
+# widths in 53 MB shards, 56 of them, as many as the real one's per GB is not (issue 16).
+MODELS = {
+    "qwen3-4b": ("qwen3_4b", 4 * GiB),
+    "qwen3-8b": ("qwen3_8b", 4 * GiB),
+    "qwen3-32b": ("qwen3_32b", 4 * GiB),
+    "deepseek-v3-small": ("deepseek_v3_small", 53_000_000),
+}
+
+
 def write_checkpoint(
     root: Path, model: str, seed: int = 20261129, specs: list[Any] | None = None
 ) -> tuple[int, int]:
-    """Write shards of random bytes (made on the GPU, fast) with real headers; (bytes, tensors).
-    `specs` (model_shapes' (name, dtype, shape)) stand in for `model`'s when given."""
+    """Write shards of random bytes (made on the GPU when there is one: fast) with real headers
+    and an index.json; (bytes, tensors). `specs` (model_shapes' (name, dtype, shape)) stand in
+    for `model`'s when given."""
+    import model_shapes
     import torch
     from ckpt_factory import header_bytes, nbytes, shard, shard_names, write_index
-    from model_shapes import qwen3_4b, qwen3_8b
 
+    specs_of, shard_bytes = MODELS.get(model, ("", 4 * GiB))
     if specs is None:
-        specs = list({"qwen3-4b": qwen3_4b, "qwen3-8b": qwen3_8b}[model]())
+        specs = list(getattr(model_shapes, specs_of)())
     root.mkdir(parents=True, exist_ok=True)
-    shards = shard(specs, 4 * GiB)
+    shards = shard(specs, shard_bytes)
     names = shard_names(len(shards))
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
     weight_map: dict[str, str] = {}
     total = 0
     for name, group in zip(names, shards, strict=True):
@@ -69,7 +89,7 @@ def write_checkpoint(
             left = offset
             while left:
                 n = min(left, 512 << 20)
-                chunk = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=gen)
+                chunk = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=gen)
                 fh.write(chunk.cpu().numpy().tobytes())
                 left -= n
         total += offset
@@ -97,18 +117,18 @@ def h2d_bandwidth(pinned: bool, nbytes: int = 4 * GiB, repeat: int = 3) -> float
     return best
 
 
-def read_bandwidth(files: list[Path], cold: bool) -> float | None:
-    """One reader (`cat`), like the baseline; cold drops the page cache first (root only)."""
-    if cold:
-        try:
-            subprocess.run(["sync"], check=True)
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        except OSError:
-            return None
-    total = sum(f.stat().st_size for f in files)
-    t0 = time.perf_counter()
-    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
-    return total / (time.perf_counter() - t0) / 1e9
+def read_limits(files: list[Path], threads: list[int]) -> dict[str, Any]:
+    """The page cache's limit with each thread count (warm: read everything once first) and
+    the disk's with the most threads (cold: each file dropped from the cache first)."""
+    from bench_stages import drop_cache, limit_read
+
+    for f in files:
+        subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, check=True)
+    warm = {n: round(limit_read(files, n, fresh=False), 2) for n in threads}
+    drop_cache(files)
+    cold = round(limit_read(files, max(threads), fresh=False), 2)
+    return {"warm_read_gb_s_by_threads": warm, "warm_read_gb_s": max(warm.values()),
+            "cold_read_gb_s": cold, "cold_read_threads": max(threads)}  # fmt: skip
 
 
 _BARE = (
@@ -173,7 +193,7 @@ def run_update(
         nproc=tp,
     )  # fmt: skip
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
     if log is not None:
         log.write_text(r.stderr)
@@ -194,8 +214,6 @@ _RSS_WRAPPER = (
 
 def run_seed(ckpt: Path, tp: int, endpoint: str, script: str) -> dict[str, Any]:
     """SGLang's examples/checkpoint_engine/update.py (the seed), unmodified, the same way."""
-    import re
-
     cmd = [
         sys.executable, "-c", _RSS_WRAPPER,
         *torchrun_cmd(script, "--checkpoint-path", str(ckpt), "--inference-parallel-size",
@@ -246,9 +264,17 @@ def write_results(out_dir: str, stem: str, doc: dict[str, Any], md: str) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["qwen3-4b", "qwen3-8b"], default="qwen3-8b")
+    parser.add_argument("--model", choices=list(MODELS), default="qwen3-8b")
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=2, help="runs of each contender")
+    parser.add_argument(
+        "--cold-first",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each contender's first run from a cold page cache",
+    )
+    parser.add_argument("--seed-runs", type=int, default=None, help="runs of the seed script")
+    parser.add_argument("--threads", default="1,2,4,8,16", help="thread counts for the limits")
     parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--extra", default="", help="more flags for ckptctl update")
@@ -259,12 +285,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--register-modes",
-        default="engine",
+        default="engine,direct",
         help="comma-separated --register-mode values to run side by side (engine,direct)",
     )
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     args = parser.parse_args()
 
     import torch
+    from bench_stages import drop_cache
 
     ckpt = Path(args.workdir) / args.model
     t0 = time.perf_counter()
@@ -274,8 +302,7 @@ def main() -> None:
     limits = {
         "pinned_h2d_gb_s": h2d_bandwidth(True),
         "pageable_h2d_gb_s": h2d_bandwidth(False),
-        "cold_read_gb_s": read_bandwidth(shards, cold=True),
-        "warm_read_gb_s": read_bandwidth(shards, cold=False),
+        **read_limits(shards, [int(x) for x in args.threads.split(",")]),
         "bare_torchrun_import_torch_nccl_s": bare_torchrun_seconds(args.tp),
     }
     # The seed polls /ping until it answers 200, which SGLang 0.5.23 does only after the first
@@ -283,131 +310,177 @@ def main() -> None:
     profile = "sglang-0.5.22" if args.seed_script else "sglang-0.5.23"
     receiver, endpoint = start_receiver(ckpt, args.tp, profile)
     runs = []
-    seed: dict[str, Any] | None = None
+    seeds: list[dict[str, Any]] = []
     try:
-        if args.seed_script:
-            if limits["cold_read_gb_s"] is not None:
-                read_bandwidth(shards, cold=True)  # from a cold cache, as our first runs
+        seed_runs = args.runs if args.seed_runs is None else args.seed_runs
+        for i in range(seed_runs if args.seed_script else 0):
+            cold = i == 0 and args.cold_first and seed_runs > 1
+            if cold:
+                drop_cache(shards)
             seed = run_seed(ckpt, args.tp, endpoint, args.seed_script)
+            seed["cache"] = "cold" if cold else "warm"
             seed["bit_exact"] = all_received(report(endpoint), n_tensors)
+            seeds.append(seed)
         for mode in args.register_modes.split(","):
             for i in range(args.runs):
-                if i == 0 and limits["cold_read_gb_s"] is not None:
-                    read_bandwidth(shards, cold=True)  # the first run starts from a cold cache
+                cold = i == 0 and args.cold_first and args.runs > 1
+                if cold:
+                    drop_cache(shards)  # the first run starts from a cold cache
                 extra = [*args.extra.split(), "--register-mode", mode]
                 log = Path(args.out) / f"update-{args.model}-tp{args.tp}-{mode}-run{i + 1}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
                 run = run_update(ckpt, args.tp, endpoint, extra, log)
                 run["register_mode"] = mode
-                run["cache"] = "cold" if i == 0 and limits["cold_read_gb_s"] is not None else "warm"
+                run["cache"] = "cold" if cold else "warm"
                 run["bit_exact"] = all_received(report(endpoint), n_tensors)
                 runs.append(run)
     finally:
         receiver.terminate()
         receiver.wait(timeout=60)
+        if not args.keep:
+            import shutil
+
+            shutil.rmtree(ckpt, ignore_errors=True)
 
     doc = {
         "model": args.model,
         "tp": args.tp,
         "total_bytes": total,
         "tensors": n_tensors,
+        "files": len(shards),
         "checkpoint_write_s": write_s,
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
+        "cpus": os.cpu_count(),
         "limits": limits,
         "runs": runs,
-        "seed_script": seed,
+        "seed_script": seeds,
         "command": f"python bench/bench_update.py --model {args.model} --tp {args.tp} --runs {args.runs}"
         f" --register-modes {args.register_modes}"
+        + ("" if args.cold_first else " --no-cold-first")
+        + (f" --seed-runs {args.seed_runs}" if args.seed_runs is not None else "")
         + (" --seed-script SEED" if args.seed_script else "")
         + (f" --extra '{args.extra}'" if args.extra else ""),
     }
     write_results(args.out, f"update-{args.model}-tp{args.tp}", doc, markdown(doc))
 
 
+def rank_figures(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per rank: its share (from the split's detail), its read (direct: from the register
+    stage's detail) and the sum of every stage but the update."""
+    out = []
+    for r in run["summary"]["ranks"]:
+        stages = r["stages"]
+        share = re.search(r"this rank ([0-9.]+) GB", stages.get("split", {}).get("detail", ""))
+        detail = stages.get("register", {}).get("detail", "")
+        read = re.search(r"read ([0-9.]+)s \+ pin ([0-9.]+)s", detail)
+        threads = re.search(r"(\d+) reader threads", detail)
+        share_gb = float(share.group(1)) if share else None
+        out.append(
+            {
+                "rank": r["rank"],
+                "share_gb": share_gb,
+                "read_s": float(read.group(1)) if read else None,
+                "pin_s": float(read.group(2)) if read else None,
+                "read_gb_s": share_gb / float(read.group(1))
+                if read and share_gb and float(read.group(1))
+                else None,
+                "reader_threads": int(threads.group(1)) if threads else None,
+                "stages_but_update_s": sum(
+                    v.get("seconds") or 0.0 for k, v in stages.items() if k != "update"
+                ),
+                "job_wall_s": r["wall_s"],
+                "peak_rss_gb": r["peak_rss_bytes"] / 1e9,
+            }
+        )
+    return out
+
+
 def markdown(doc: dict[str, Any]) -> str:
     lim = doc["limits"]
     gb = doc["total_bytes"] / 1e9
+    warm_by = lim["warm_read_gb_s_by_threads"]
     lines = [
-        f"# `ckptctl update`, {doc['model']} shapes ({gb:.2f} GB, {doc['tensors']} tensors), "
-        f"TP{doc['tp']} on {doc['tp']}x {doc['gpu']}",
+        f"# `ckptctl update`, {doc['model']} shapes ({gb:.2f} GB, {doc['tensors']} tensors, "
+        f"{doc['files']} files), TP{doc['tp']} on {doc['tp']}x {doc['gpu']}",
         "",
         f"    {doc['command']}",
         "",
         "Limits measured in the same run: pinned H2D "
-        f"{lim['pinned_h2d_gb_s']:.1f} GB/s, pageable H2D {lim['pageable_h2d_gb_s']:.1f} GB/s, "
-        f"read (one `cat`) cold {_f(lim['cold_read_gb_s'])} / warm {_f(lim['warm_read_gb_s'])} GB/s, "
+        f"{lim['pinned_h2d_gb_s']:.1f} GB/s, pageable H2D {lim['pageable_h2d_gb_s']:.1f} GB/s; "
+        "reading the shards from the page cache (threads: GB/s) "
+        + ", ".join(f"{n}: {v:.1f}" for n, v in warm_by.items())
+        + f"; from the disk (cold, {lim['cold_read_threads']} threads) {lim['cold_read_gb_s']:.2f} GB/s; "
         f"bare torchrun + import torch + NCCL group {lim['bare_torchrun_import_torch_nccl_s']:.2f} s.",
         "",
-        "| run | register mode | cache | torchrun wall s | start s | register s (GB/s, all ranks) | gather s | "
-        "update s (GB/s per GPU) | peak RSS per rank GB | bit-exact |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | contender | cache | torchrun wall s | job wall s | split s | start s | "
+        "register s | gather s | update s (GB/s per GPU) | all but update s | "
+        "read per rank GB/s (x warm limit, x cold) | peak RSS GB (x share) | bit-exact |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for i, run in enumerate(doc["runs"]):
-        ranks = run["summary"]["ranks"]
-
-        def stage(name: str, key: str = "seconds", ranks: list[dict[str, Any]] = ranks) -> float:
-            return max(r["stages"].get(name, {}).get(key) or 0.0 for r in ranks)
-
-        reg_s = stage("register")
-        # direct: the read and the pinning run in the background, from before the PS start;
-        # the stage itself only waits for what is left of them. Rate over read + pin.
-        background = [
-            sum(map(float, found))
-            for r in ranks
-            if (
-                found := re.findall(
-                    r"(?:read|pin) ([0-9.]+)s", r["stages"]["register"].get("detail", "")
-                )
-            )
-        ]
-        loaded_s = max(background) if background else reg_s
-        reg_rate = doc["total_bytes"] / loaded_s / 1e9 if loaded_s else 0.0
-        reg_text = (
-            f"{reg_s:.2f} (read + pin {loaded_s:.2f} s before it, {reg_rate:.1f})"
-            if background
-            else f"{reg_s:.2f} ({reg_rate:.1f})"
-        )
-        upd_s = stage("update")
-        lines.append(
-            f"| {i + 1} | {run.get('register_mode', 'engine')} | {run['cache']} | {run['torchrun_wall_s']:.2f} | {stage('start'):.2f} | "
-            f"{reg_text} | {stage('gather_metas'):.2f} | "
-            f"{upd_s:.2f} ({doc['total_bytes'] / upd_s / 1e9 if upd_s else 0:.1f}) | "
-            f"{max(r['peak_rss_bytes'] for r in ranks) / 1e9:.1f} | {run['bit_exact']} |"
-        )
-    seed = doc.get("seed_script")
-    if seed:
+    for i, seed in enumerate(doc.get("seed_script") or []):
         rss = seed["max_rss_bytes"]
         lines.append(
-            f"| seed | the seed script | cold | {seed['torchrun_wall_s']:.2f} | - | - | "
-            f"{_s(seed['gather_s'])} | {_s(seed['update_s'])} | "
-            f"{'-' if rss is None else f'{rss / 1e9:.1f}'} | {seed['bit_exact']} |"
+            f"| s{i + 1} | the seed script | {seed.get('cache', 'warm')} | "
+            f"{seed['torchrun_wall_s']:.2f} | - | - | - | - | {_s(seed['gather_s'])} | "
+            f"{_s(seed['update_s'])} | - | - | {'-' if rss is None else f'{rss / 1e9:.1f}'} | "
+            f"{seed['bit_exact']} |"
         )
-    best = min(doc["runs"], key=lambda r: r["torchrun_wall_s"])
-    lines += [
-        "",
-        f"Ratios (best run): wall / bare floor = "
-        f"{best['torchrun_wall_s'] / lim['bare_torchrun_import_torch_nccl_s']:.2f}; "
-        f"update rate / pinned H2D = "
-        f"{doc['total_bytes'] / max(max(r['stages']['update']['seconds'] for r in best['summary']['ranks']), 1e-9) / 1e9 / lim['pinned_h2d_gb_s']:.2f}.",
-        "",
-    ]
-    if seed:
-        best_update = min(
-            max(r["stages"]["update"]["seconds"] for r in run["summary"]["ranks"])
-            for run in doc["runs"]
-        )
-        lines[-1:] = [
-            f"Best run / the seed script, same run: wall "
-            f"{best['torchrun_wall_s'] / seed['torchrun_wall_s']:.2f}x"
-            + (
-                f"; update stage {best_update / seed['update_s']:.2f}x (best {best_update:.2f} s)"
-                if seed.get("update_s")
-                else ""
+    for i, run in enumerate(doc["runs"]):
+        ranks = run["summary"]["ranks"]
+        figs = rank_figures(run)
+
+        def stage(name: str, ranks: list[dict[str, Any]] = ranks) -> float:
+            return max(r["stages"].get(name, {}).get("seconds") or 0.0 for r in ranks)
+
+        upd_s = stage("update")
+        reads = [f for f in figs if f["read_gb_s"]]
+        read_text = (
+            ", ".join(
+                f"{f['read_gb_s']:.1f} ({f['read_gb_s'] / warm_by.get(f['reader_threads'], lim['warm_read_gb_s']):.2f}, "
+                f"{f['read_gb_s'] / lim['cold_read_gb_s']:.2f})"
+                for f in reads
             )
-            + ".",
-            "",
-        ]
+            or "-"
+        )
+        rss = ", ".join(
+            f"{f['peak_rss_gb']:.1f}"
+            + (f" ({f['peak_rss_gb'] / f['share_gb']:.2f})" if f["share_gb"] else "")
+            for f in figs
+        )
+        lines.append(
+            f"| {i + 1} | {run.get('register_mode', 'engine')} | {run['cache']} | "
+            f"{run['torchrun_wall_s']:.2f} | {max(f['job_wall_s'] for f in figs):.2f} | "
+            f"{stage('split'):.2f} | {stage('start'):.2f} | {stage('register'):.2f} | "
+            f"{stage('gather_metas'):.2f} | "
+            f"{upd_s:.2f} ({doc['total_bytes'] / upd_s / 1e9 if upd_s else 0:.1f}) | "
+            f"{max(f['stages_but_update_s'] for f in figs):.2f} | {read_text} | {rss} | "
+            f"{run['bit_exact']} |"
+        )
+    lines += ["", "Reads: each rank's share over its read time (direct registration, from the "
+              "register stage's detail), against the page cache's limit at the rank's thread "
+              "count (one process) and against the disk's.", ""]  # fmt: skip
+    seeds = doc.get("seed_script") or []
+    for cache in ("warm", "cold"):
+        seed = min(
+            (s for s in seeds if s.get("cache") == cache),
+            key=lambda s: s["torchrun_wall_s"],
+            default=None,
+        )
+        if seed is None:
+            continue
+        for mode in dict.fromkeys(r["register_mode"] for r in doc["runs"]):
+            mine = [r for r in doc["runs"] if r["register_mode"] == mode and r["cache"] == cache]
+            if not mine:
+                continue
+            best = min(mine, key=lambda r: r["torchrun_wall_s"])
+            lines.append(
+                f"- {cache}, --register-mode {mode}: wall {best['torchrun_wall_s']:.2f} s = "
+                f"**{best['torchrun_wall_s'] / seed['torchrun_wall_s']:.2f}x** the seed script's "
+                f"{seed['torchrun_wall_s']:.2f} s; wall / bare floor "
+                f"{best['torchrun_wall_s'] / lim['bare_torchrun_import_torch_nccl_s']:.2f}"
+            )
+    lines.append("")
     return "\n".join(lines)
 
 

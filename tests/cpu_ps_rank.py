@@ -92,6 +92,17 @@ class CpuParameterServerSession:
     def gather(self, name: str) -> None:
         pass
 
+    def gather_planned(self, name: str, planned: dict[int, Any]) -> None:
+        # Direct registration knows every rank's buffers from the plan: this rank's part must
+        # be exactly what it registered (the real session also exchanges the addresses).
+        own = [(b.size, [m.name for m in b.metas]) for b in self.buffers.get(name, [])]
+        want = [(size, [m.name for m in metas]) for size, metas in planned.get(self.rank, [])]
+        assert own == want, "the planned metas are not what this rank registered"
+        log = os.environ.get("CPU_PS_LOG")
+        if log:
+            with open(f"{log}.gathered.{self.rank}", "a") as fh:
+                fh.write(json.dumps({"gathered": name, "planned_ranks": sorted(planned)}) + "\n")
+
     def metas(self) -> dict[int, Any]:
         return {}
 

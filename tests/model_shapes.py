@@ -14,16 +14,24 @@ def qwen3_8b() -> Iterator[Spec]:
     return _qwen3(hidden=4096, inter=12288, tied=False)
 
 
+def qwen3_32b() -> Iterator[Spec]:
+    """Qwen3-32B: 64 layers, hidden 5120, 64 heads / 8 KV heads of 128, intermediate 25600,
+    vocab 151936, untied lm_head. 707 tensors, 65.5 GB in bf16."""
+    return _qwen3(hidden=5120, inter=25600, tied=False, layers=64, heads=64)
+
+
 def qwen3_4b() -> Iterator[Spec]:
     """Qwen3-4B: 36 layers, hidden 2560, 32 heads / 8 KV heads of 128, intermediate 9728,
     vocab 151936, tied embeddings (no lm_head). 398 tensors, 8.04 GB in bf16."""
     return _qwen3(hidden=2560, inter=9728, tied=True)
 
 
-def _qwen3(*, hidden: int, inter: int, tied: bool) -> Iterator[Spec]:
-    vocab, head_dim, heads, kv_heads = 151936, 128, 32, 8
+def _qwen3(
+    *, hidden: int, inter: int, tied: bool, layers: int = 36, heads: int = 32
+) -> Iterator[Spec]:
+    vocab, head_dim, kv_heads = 151936, 128, 8
     yield "model.embed_tokens.weight", "BF16", (vocab, hidden)
-    for i in range(36):
+    for i in range(layers):
         p = f"model.layers.{i}"
         yield f"{p}.self_attn.q_proj.weight", "BF16", (heads * head_dim, hidden)
         yield f"{p}.self_attn.k_proj.weight", "BF16", (kv_heads * head_dim, hidden)
@@ -50,8 +58,31 @@ def _fp8_linear(name: str, out_dim: int, in_dim: int) -> Iterator[Spec]:
 def deepseek_v3() -> Iterator[Spec]:
     """DeepSeek-V3 (FP8): 61 layers (3 dense, 58 MoE with 256 routed + 1 shared expert) plus the
     MTP layer 61; MLA attention. About 92k tensors and 680 GB."""
-    hidden, vocab, dense_inter, moe_inter, experts = 7168, 129280, 18432, 2048, 256
-    q_lora, kv_lora, heads, nope, rope, v_dim = 1536, 512, 128, 128, 64, 128
+    return _deepseek_v3(
+        hidden=7168, vocab=129280, dense_inter=18432, moe_inter=2048, q_lora=1536, heads=128
+    )
+
+
+def deepseek_v3_small() -> Iterator[Spec]:
+    """DeepSeek-V3's layout at small widths: its 61 layers (3 dense), 256 routed + 1 shared
+    experts, MLA projections, FP8 E4M3 weights each with an F32 `weight_scale_inv` of 128x128
+    blocks, no MTP layer. 90,427 tensors, 3.09 GB: many tensors, few bytes (issue 16)."""
+    return _deepseek_v3(
+        hidden=512, vocab=129280, dense_inter=1280, moe_inter=112, q_lora=128, heads=16, mtp=False
+    )
+
+
+def _deepseek_v3(
+    *,
+    hidden: int,
+    vocab: int,
+    dense_inter: int,
+    moe_inter: int,
+    q_lora: int,
+    heads: int,
+    mtp: bool = True,
+) -> Iterator[Spec]:
+    experts, kv_lora, nope, rope, v_dim = 256, 512, 128, 64, 128
 
     def layer(i: int) -> Iterator[Spec]:
         p = f"model.layers.{i}"
@@ -81,6 +112,8 @@ def deepseek_v3() -> Iterator[Spec]:
         yield from layer(i)
     yield "model.norm.weight", "BF16", (hidden,)
     yield "lm_head.weight", "BF16", (vocab, hidden)
+    if not mtp:
+        return
     # Multi-token prediction module, stored as layer 61.
     yield from layer(61)
     yield "model.layers.61.embed_tokens.weight", "BF16", (vocab, hidden)

@@ -50,7 +50,10 @@ def _record(name: str, doc: dict) -> None:
             fh.write(json.dumps({"test": name, **doc}) + "\n")
 
 
-def test_save_metas_then_inspect_then_join_refuses(ckpt: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("register_mode", [None, "engine"])  # None: the default, direct
+def test_save_metas_then_inspect_then_join_refuses(
+    ckpt: Path, tmp_path: Path, register_mode: str | None
+) -> None:
     metas = tmp_path / "metas.json"
     proc = _torchrun(
         "save-metas",
@@ -63,6 +66,7 @@ def test_save_metas_then_inspect_then_join_refuses(ckpt: Path, tmp_path: Path) -
         "--sleep-time",
         "3",
         "--json",
+        *(["--register-mode", register_mode] if register_mode else []),
     )
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-4000:]
@@ -93,7 +97,7 @@ def test_save_metas_then_inspect_then_join_refuses(ckpt: Path, tmp_path: Path) -
         assert "no p2p store address" in r.stderr
         assert rx.behaviour.requests == []  # refused before touching the server
     _record(
-        "save-metas -> inspect-metas -> join refusal",
+        f"save-metas ({register_mode or 'direct'}) -> inspect-metas -> join refusal",
         {
             "save_metas_wall_s": summary["ranks"][0]["wall_s"],
             "join_exit": 3,

@@ -18,7 +18,8 @@ from conftest import run_script, wait_for_path
 from fake_server import torchrun_cmd
 from gpu_receiver import ReceiverServer
 
-pytestmark = [pytest.mark.gpu]
+# GPU memory is read for the whole device (nvidia-smi): no other GPU test beside these.
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_serial]
 RESULTS = os.environ.get("CKPTCTL_GPU_RESULTS")
 
 
@@ -41,7 +42,19 @@ def _gpu_memory_used_mib() -> int:
     return int(out.strip())
 
 
-def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> None:
+# register_mode None: the default (direct, one pinned pool refilled by every push); engine:
+# checkpoint-engine's own buffers, in fewer pushes (a bad path at 1, a refusal at 2).
+@pytest.mark.parametrize(
+    ("register_mode", "pushes", "bad_at", "refused_at"), [(None, 10, 4, 6), ("engine", 4, 1, 2)]
+)
+def test_ten_pushes_in_a_row_each_bit_exact(
+    tmp_path: Path,
+    short_tmp: Path,
+    register_mode: str | None,
+    pushes: int,
+    bad_at: int,
+    refused_at: int,
+) -> None:
     ckpts = [_checkpoint(tmp_path / f"ck{i}", seed=i) for i in range(3)]
     sock = str(short_tmp / "serve.sock")
     with ReceiverServer(ckpts[0], [0]) as rx:
@@ -58,6 +71,7 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
                 rx.endpoint,
                 "--push-timeout",
                 "120",
+                *(["--register-mode", register_mode] if register_mode else []),
                 nproc=1,
             ),  # fmt: skip
             stdout=subprocess.PIPE,
@@ -71,7 +85,7 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
                 time.sleep(0.2)
             assert os.path.exists(sock)
             seconds = []
-            for i in range(10):
+            for i in range(pushes):
                 ck = ckpts[i % 3]
                 rx.set_config(verify_against=str(ck))
                 t0 = time.monotonic()
@@ -91,7 +105,7 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
                 report = rx.report()
                 assert report["ok"] and report["weight_version"] == f"v{i}"
                 assert all(not w["mismatches"] and not w["missing"] for w in report["workers"])
-                if i == 4:  # a push that fails before the transfer: the job goes on
+                if i == bad_at:  # a push that fails before the transfer: the job goes on
                     bad = run_script(
                         "push",
                         "--control-socket",
@@ -101,7 +115,9 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
                         timeout=60,
                     )
                     assert bad.returncode == 3
-                if i == 6:  # the server refuses (HTTP 400): this push fails, the job goes on
+                if (
+                    i == refused_at
+                ):  # the server refuses (HTTP 400): the push fails, the job goes on
                     gpu_before_refusal = _gpu_memory_used_mib()
                     rx.set_config(refuse="IPC weight update failed: busy")
                     refused = run_script(
@@ -110,7 +126,7 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
                     rx.set_config(refuse=None)
                     assert refused.returncode == 1, refused.stderr
                     assert "refused the update: HTTP 400" in refused.stderr
-                if i == 7:  # the refused push's IPC buffer was given back (release_ipc_reference)
+                if i == refused_at + 1:  # the refused push's IPC buffer was given back
                     grown = _gpu_memory_used_mib() - gpu_before_refusal
                     assert grown < 1024, f"GPU memory grew by {grown} MiB after a refused push"
             with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
@@ -122,7 +138,8 @@ def test_ten_pushes_in_a_row_each_bit_exact(tmp_path: Path, short_tmp: Path) -> 
     assert job.returncode == 0, err[-3000:]
     if RESULTS:
         with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
-            fh.write(json.dumps({"test": "serve: 10 pushes", "push_seconds": seconds}) + "\n")
+            doc = {"test": f"serve: {pushes} pushes, {register_mode or 'direct'}"}
+            fh.write(json.dumps({**doc, "push_seconds": seconds}) + "\n")
 
 
 def _wait_for_memory_back(baseline_mib: int, slack_mib: int = 1024, timeout: float = 20) -> int:

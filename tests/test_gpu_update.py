@@ -164,15 +164,16 @@ def _summary(out: str) -> dict[str, Any]:
 # -- it works -------------------------------------------------------------------------------------
 
 
+# register_mode None: the default (direct), on every path; engine where asked for explicitly.
 @pytest.mark.parametrize(
     ("layout", "split", "profile", "uds", "register_mode"),
     [
+        ("sharded", "tensors", "sglang-0.5.23", False, None),
+        ("sharded", "files", "sglang-0.5.4", False, None),
+        ("single", "auto", "sglang-0.5.14", True, None),
+        ("sharded", "tensors", "vllm", True, None),
         ("sharded", "tensors", "sglang-0.5.23", False, "engine"),
-        ("sharded", "files", "sglang-0.5.4", False, "engine"),
-        ("single", "auto", "sglang-0.5.14", True, "engine"),
-        ("sharded", "tensors", "vllm", True, "engine"),
-        ("sharded", "tensors", "sglang-0.5.23", False, "direct"),
-        ("single", "files", "sglang-0.5.23", True, "direct"),
+        ("single", "files", "sglang-0.5.23", True, "engine"),
     ],
 )
 def test_tp1(
@@ -180,7 +181,7 @@ def test_tp1(
     split: str,
     profile: str,
     uds: bool,
-    register_mode: str,
+    register_mode: str | None,
     request: pytest.FixtureRequest,
     short_tmp: Path,
 ) -> None:
@@ -202,9 +203,10 @@ def test_tp1(
             "120",
             "--bucket-size-gb",
             "0.001",
-            "--register-mode",
-            register_mode,
         ]
+        if register_mode is not None:
+            args += ["--register-mode", register_mode]
+        mode = register_mode or "direct"
         args += (
             ["--uds", sock, "--endpoint", "http://localhost"]
             if sock
@@ -212,19 +214,25 @@ def test_tp1(
         )
         if engine == "sglang":
             args += ["--weight-version", f"v-{layout}-{split}"]
+        threads = 3 if mode == "direct" and split == "files" else None
+        if threads:
+            args += ["--read-threads", str(threads)]
         code, out, err, took = _torchrun(1, *args)
         assert code == 0, err[-4000:]
         summary = _summary(out)
         report = _assert_bit_exact(rx, ckpt)
     assert summary["ok"] and summary["split"] in ("files", "tensors")
-    assert summary["ranks"][0]["stages"]["register"]["detail"].startswith(
-        f"{register_mode} registration"
-    )
+    stages = summary["ranks"][0]["stages"]
+    assert stages["register"]["detail"].startswith(f"{mode} registration")
+    if mode == "direct":  # read early, metas from the plan (stages.EarlyShare)
+        assert "planned in" in stages["split"]["detail"]
+        assert stages["gather_metas"]["detail"] == "planned metas, addresses gathered"
+        assert f"{threads or ''} reader threads" in stages["register"]["detail"]
     if engine == "sglang":
         assert report["weight_version"] == f"v-{layout}-{split}"
         assert "verify" in summary["ranks"][0]["stages"]
     _record(
-        f"tp1-{layout}-{split}-{profile}-{'uds' if uds else 'tcp'}-{register_mode}",
+        f"tp1-{layout}-{split}-{profile}-{'uds' if uds else 'tcp'}-{mode}",
         {"wall_s": took, "summary": summary},
     )
 
@@ -234,10 +242,13 @@ def _torch_shm_files() -> set[str]:
 
 
 @needs_two
-def test_tp2_one_server(sharded: Path) -> None:
+@pytest.mark.gpu_serial  # counts torch's files in /dev/shm: none of another test's
+@pytest.mark.parametrize("register_mode", [None, "engine"])
+def test_tp2_one_server(sharded: Path, register_mode: str | None) -> None:
     # The ranks end with os._exit (no NCCL teardown): torch's CUDA IPC ref-counter files
     # (/dev/shm/torch_<pid>_*) must not be left behind by that, update after update.
     shm_before = _torch_shm_files()
+    mode = ["--register-mode", register_mode] if register_mode else []
     with ReceiverServer(sharded, [0, 1]) as rx:
         code, out, err, took = _torchrun(
             2,
@@ -252,13 +263,20 @@ def test_tp2_one_server(sharded: Path) -> None:
             "tp2",
             "--bucket-size-gb",
             "0.001",
+            *mode,
         )
         assert code == 0, err[-4000:]
         _assert_bit_exact(rx, sharded)
     left = sorted(_torch_shm_files() - shm_before)
-    _record("tp2-one-server", {"wall_s": took, "summary": _summary(out), "shm_left": left})
+    _record(
+        f"tp2-one-server-{register_mode or 'direct'}",
+        {"wall_s": took, "summary": _summary(out), "shm_left": left},
+    )
     summary = _summary(out)
     assert len(summary["ranks"]) == 2
+    for rank in summary["ranks"]:
+        detail = rank["stages"]["gather_metas"].get("detail", "")
+        assert (detail == "planned metas, addresses gathered") == (register_mode is None)
     assert not left, f"torch shared-memory files left in /dev/shm: {left}"
 
 

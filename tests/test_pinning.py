@@ -233,7 +233,7 @@ def test_pinning_happens_in_the_reading_thread_before_anyone_asks(
     )
     checkpoint = read_checkpoint(ckpt)
     reader = pinning.ShareReader(checkpoint, list(checkpoint.tensors), pin=True)
-    reader._future.result(timeout=60)  # done on its own, before result() is called
+    assert reader.wait(60)  # done on its own, before result() is called
     assert [size for _, size in pinned_by] == [b.size for b in reader.buckets]
     assert all(name.startswith("ckptctl-read") for name, _ in pinned_by)
     assert reader.pin_seconds is not None
@@ -291,3 +291,139 @@ def test_the_reading_thread_pins_on_this_ranks_gpu(
     pinning.ShareReader(checkpoint, list(checkpoint.tensors), pin=True).result()
     assert [index for _, index in chosen] == [1]  # rank 3 of 2 GPUs per node: GPU 1
     assert chosen[0][0] == pinned_in[0] and pinned_in[0].startswith("ckptctl-read")
+
+
+def _many_small(root: Path, count: int = 300) -> Path:
+    """Small tensors of odd sizes in two files: padding between every two in the buffers."""
+    g = torch.Generator().manual_seed(7)
+    shards = [
+        {
+            f"s{k}.t{i}": torch.randint(0, 255, (37 + i % 11,), generator=g, dtype=torch.uint8)
+            for i in range(count)
+        }  # fmt: skip
+        for k in range(2)
+    ]
+    return write_real_checkpoint(root, shards)
+
+
+def test_neighbours_are_read_in_one_request_skipping_the_padding(tmp_path: Path) -> None:
+    checkpoint = read_checkpoint(_many_small(tmp_path / "ck"))
+    buckets = pinning.layout(checkpoint.tensors)
+    runs = pinning.read_runs(buckets)
+    assert len(runs) == 2  # one per file: 600 tensors, two preadv calls
+    assert [len(r.pieces) for r in runs] == [300, 300]  # each tensor its buffer: no copy
+    expected = {}
+    for f in checkpoint.files:
+        expected |= load_file(str(checkpoint.path_of(f)))
+    _check_bytes(pinning.read_share(checkpoint, list(checkpoint.tensors), pin=False), expected)
+
+
+@pytest.mark.parametrize(("iov_max", "chunk"), [(7, 1 << 20), (1024, 300), (3, 100)])
+def test_requests_are_bounded_by_iov_max_and_the_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, iov_max: int, chunk: int
+) -> None:
+    monkeypatch.setattr(pinning, "IOV_MAX", iov_max)
+    monkeypatch.setattr(pinning, "READ_CHUNK", chunk)
+    checkpoint = read_checkpoint(_many_small(tmp_path / "ck", count=50))
+    runs = pinning.read_runs(pinning.layout(checkpoint.tensors))
+    assert all(len(r.pieces) <= iov_max and r.nbytes <= chunk for r in runs)
+    assert sum(r.nbytes for r in runs) == checkpoint.total_bytes
+    expected = {}
+    for f in checkpoint.files:
+        expected |= load_file(str(checkpoint.path_of(f)))
+    for threads in (1, 3):
+        buffers = pinning.read_share(
+            checkpoint, list(checkpoint.tensors), pin=False, threads=threads
+        )
+        _check_bytes(buffers, expected)
+
+
+def test_a_tensors_split_of_many_small_tensors_reads_runs(tmp_path: Path) -> None:
+    """90k small tensors split by tensors: each rank reads a few long runs, not one request
+    per tensor (plan.py cuts contiguous runs when they balance)."""
+    checkpoint = read_checkpoint(_many_small(tmp_path / "ck", count=1000))
+    plan = plan_split(checkpoint, 3, "tensors")
+    assert plan.max_rank_bytes <= plan.lower_bound_bytes * 1.005
+    for share in plan.ranks:
+        runs = pinning.read_runs(pinning.layout(share.tensors))
+        assert len(runs) <= 2, len(runs)
+
+
+@pytest.mark.parametrize(
+    ("affinity", "cpus", "local", "want"),
+    [
+        (32, 32, "2", 16),  # the 2x H200 machine: 16 each
+        (16, 16, "2", 8),
+        (128, 128, "8", 16),
+        (2, 2, "1", 2),  # this machine
+        (2, 2, "4", 1),
+        (4, 32, "2", 4),  # the launcher gave each rank 4 cores of its own: all 4
+        (64, 64, "", 16),  # no LOCAL_WORLD_SIZE: one rank
+    ],
+)
+def test_reader_threads_follow_the_cores_and_the_local_ranks(
+    monkeypatch: pytest.MonkeyPatch, affinity: int, cpus: int, local: str, want: int
+) -> None:
+    monkeypatch.setattr(pinning.os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    monkeypatch.setattr(pinning.os, "cpu_count", lambda: cpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert pinning.read_threads() == want
+    assert pinning.read_threads(5) == 5  # --read-threads wins
+
+
+def test_reading_needs_no_torch(tmp_path: Path) -> None:
+    """Planning and reading run before torch is imported (stages.EarlyShare): the buckets
+    are anonymous memory, filled with preadv, torch only wraps them afterwards."""
+    root = _many_small(tmp_path / "ck", count=20)
+    code = f"""
+import sys
+from ckptctl.checkpoint import plan_split, read_checkpoint
+from ckptctl.pipeline import pinning
+ck = read_checkpoint({str(root)!r})
+share = plan_split(ck, 2, "auto").ranks[0]
+buckets = pinning.layout(share.tensors)
+memory = [pinning.anonymous_memory(b.size) for b in buckets]
+pinning.fill(ck, buckets, [memoryview(m)[: b.size] for m, b in zip(memory, buckets)], 2)
+assert "torch" not in sys.modules, "torch was imported"
+t, off = buckets[0].placed[0]
+with open(ck.path_of(t.file), "rb") as fh:
+    fh.seek(t.start)
+    assert bytes(memory[0][off : off + t.nbytes]) == fh.read(t.nbytes)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_fresh_memory_is_populated_run_by_run_and_a_kernel_without_it_is_skipped(
+    tmp_path: Path,
+) -> None:
+    """Each run's destination is faulted in with one call before it is read into
+    (MADV_POPULATE_WRITE), not a page at a time inside the copy. Where madvise refuses it, the
+    read goes on without."""
+    checkpoint = read_checkpoint(_many_small(tmp_path / "ck", count=200))
+    buckets = pinning.layout(checkpoint.tensors)
+    runs = pinning.read_runs(buckets)
+    memory = [pinning.anonymous_memory(b.size) for b in buckets]
+    targets = [memoryview(m)[: b.size] for m, b in zip(memory, buckets, strict=True)]
+    populate = pinning._Populate(targets)
+    calls: list[tuple[int, int, int]] = []
+    real = populate._madvise
+    populate._madvise = lambda start, size, advice: (
+        calls.append((start, size, advice)) or (real(start, size, advice) if real else 0)
+    )
+    populate(runs[0])
+    (start, size, advice), first, (last, n) = calls[0], runs[0].pieces[0][0], runs[0].pieces[-1]
+    base = populate._bases[runs[0].bucket]
+    assert advice == pinning.MADV_POPULATE_WRITE and start % pinning.PAGE == 0
+    assert start <= base + first and start + size == base + last + n
+    populate._madvise = lambda *args: -1  # EINVAL: a kernel before 5.14
+    populate(runs[1])
+    assert populate._madvise is None
+    pinning.fill(checkpoint, buckets, targets, 2, fresh=True)  # and the bytes are right
+    expected = {}
+    for f in checkpoint.files:
+        expected |= load_file(str(checkpoint.path_of(f)))
+    for t, off in buckets[0].placed:
+        want = expected[t.name].reshape(-1).view(torch.uint8)
+        assert bytes(memory[0][off : off + t.nbytes]) == bytes(want.numpy()), t.name

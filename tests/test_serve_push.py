@@ -133,13 +133,17 @@ def test_no_rank_frees_the_previous_checkpoint_before_every_rank_has_pushed(
 ) -> None:
     """Issue 14 item 10 (checkpoint-engine #106): from the second update on, its own barrier no
     longer waits. Rank 1 is slow here; no rank may unregister the checkpoint a push replaces
-    while another rank is still in that push's update."""
+    while another rank is still in that push's update. (With checkpoint-engine's own buffers:
+    direct registration refills its pool at the start of the next push, after the closing
+    barrier of the one before.)"""
     sock, events = str(short_tmp / "serve.sock"), tmp_path / "events"
     with FakeServer(Behaviour()) as s:
         job = _serve(
             s.endpoint,
             "--control-socket",
             sock,
+            "--register-mode",
+            "engine",
             env={"CPU_PS_SLOW_UPDATE_RANK": "1", "CPU_PS_EVENTS": str(events)},
         )
         try:

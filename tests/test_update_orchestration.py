@@ -229,6 +229,34 @@ def test_serve_direct_refills_one_pool_push_after_push(tmp_path: Path, short_tmp
         rows = [json.loads(line) for line in Path(f"{log}.{rank}").read_text().splitlines()]
         assert [r["fills"] for r in rows] == [[1], [2], [1], [1]]
         assert all(r["ptrs"] == rows[0]["ptrs"] for r in rows)  # the same memory every time
+        # Every push gathered from the plan (the refused one too: it failed after the gather).
+        gathered = Path(f"{log}.gathered.{rank}").read_text().splitlines()
+        assert [json.loads(line)["planned_ranks"] for line in gathered] == [[0, 1]] * 4
+
+
+def test_direct_update_registers_every_tensor_and_gathers_from_the_plan(tmp_path: Path) -> None:
+    """update --register-mode direct on 2 ranks: the plan is made and the share read before
+    the job starts (stages.EarlyShare), and the metas come from the plan, not a pickle."""
+    log = str(tmp_path / "registered")
+    with FakeServer(Behaviour()) as s:
+        cmd = torchrun_cmd(
+            SCRIPT, "update", "--checkpoint-path", str(TINY), "--timeout", "60", "--json",
+            "--inference-parallel-size", "2", "--endpoint", s.endpoint,
+            "--register-mode", "direct", "--read-threads", "3",
+        )  # fmt: skip
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "CPU_PS_LOG": log}
+        )
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    for rank in summary["ranks"]:
+        stages = rank["stages"]
+        assert "planned in" in stages["split"]["detail"]
+        assert stages["register"]["detail"].startswith("direct registration")
+        assert "3 reader threads" in stages["register"]["detail"]
+        assert stages["gather_metas"]["detail"] == "planned metas, addresses gathered"
+        gathered = Path(f"{log}.gathered.{rank['rank']}").read_text().splitlines()
+        assert [json.loads(line)["planned_ranks"] for line in gathered] == [[0, 1]]
 
 
 def test_no_rank_consumes_a_file_before_every_rank_has_checked_them_all() -> None:

@@ -18,8 +18,9 @@ import os
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, lt
 from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 from ckptctl.errors import InvalidInput
 from ckptctl.regular_files import FileIdentity, UnfitFile, open_regular, read_regular
@@ -66,9 +67,12 @@ DTYPE_BITS: dict[str, int] = {
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf")
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """One tensor as its header describes it. `start`/`end` are absolute offsets in `file`."""
+class TensorInfo(NamedTuple):
+    """One tensor as its header describes it. `start`/`end` are absolute offsets in `file`.
+
+    A NamedTuple (immutable, compared by value): made 90k times for a DeepSeek-V3 checkpoint,
+    where a frozen dataclass's __init__ cost twice as much.
+    """
 
     name: str
     dtype: str  # safetensors spelling: "BF16", "F8_E4M3", ...
@@ -109,6 +113,9 @@ class Checkpoint:
 
     def path_of(self, file: str) -> Path:
         return self.root / file
+
+
+_NAME, _START, _END = attrgetter("name"), attrgetter("start"), attrgetter("end")
 
 
 def _fail(where: Path | str, problem: str, action: str) -> InvalidInput:
@@ -250,8 +257,11 @@ def _read_file_header(root: Path, file: str) -> tuple[list[TensorInfo], FileIden
         tensors.append(TensorInfo(name, dtype, shape, file, data_start + begin, data_start + end))
 
     tensors.sort(key=attrgetter("start", "end", "name"))
+    starts, ends = list(map(_START, tensors)), list(map(_END, tensors))
+    if not any(map(lt, starts[1:], ends[:-1])):
+        return tensors, FileIdentity.of(st)  # each starts where the one before ended or later
     previous: TensorInfo | None = None
-    for t in tensors:
+    for t in tensors:  # something starts early: an overlap, or just an empty tensor inside one
         if t.start == t.end:
             continue  # an empty tensor occupies no bytes and cannot overlap anything
         if previous is not None and t.start < previous.end:
@@ -324,6 +334,21 @@ def _pick_index(root: Path, names: Iterable[str]) -> str | None:
     return others[0] if others else None
 
 
+def _refuse_duplicate(
+    root: Path, earlier: list[TensorInfo], infos: list[TensorInfo], file: str
+) -> None:
+    owner = {t.name: t.file for t in earlier}
+    for t in infos:
+        first = owner.setdefault(t.name, file)
+        if first != file:
+            raise _fail(
+                root,
+                f"tensor {t.name!r} is in both {first} and {file}",
+                "remove the stale file, or add an index that names one of them",
+            )
+    raise _fail(root, f"{file} holds a tensor name twice", CORRUPT)  # JSON keys: cannot happen
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read and validate every header of the checkpoint at `path` (reads no tensor data).
 
@@ -374,18 +399,15 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     file_ids: dict[str, FileIdentity] = {}
     for file in files:
         infos, file_ids[file] = _read_file_header(root, file)
-        file_bytes[file] = sum(t.nbytes for t in infos)
-        for t in infos:
-            first = owner.setdefault(t.name, file)
-            if first != file:
-                raise _fail(
-                    root,
-                    f"tensor {t.name!r} is in both {first} and {file}",
-                    "remove the stale file, or add an index that names one of them",
-                )
+        file_bytes[file] = sum(map(_END, infos)) - sum(map(_START, infos))
+        known = len(owner)
+        owner.update(dict.fromkeys(map(_NAME, infos), file))
+        if len(owner) != known + len(infos):  # a name seen before: find it (the slow way)
+            _refuse_duplicate(root, tensors, infos, file)
         tensors.extend(infos)
 
-    for name, shard in weight_map.items():
+    # Every tensor where the index says (a dict comparison in C; then the first one that is not)
+    for name, shard in () if owner == weight_map else weight_map.items():
         if owner.get(name) != shard:
             found = f" (it is in {owner[name]})" if name in owner else ""
             raise _fail(

@@ -16,6 +16,7 @@ from ckptctl.cli._options import (
     HelpOpt,
     JsonOpt,
     QuietOpt,
+    ReadThreadsOpt,
     RegisterModeOpt,
     SplitOpt,
     TimeoutOpt,
@@ -44,7 +45,8 @@ def save_metas_command(
     ] = None,
     checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
     split: SplitOpt = SplitChoice.auto,
-    register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    register_mode: RegisterModeOpt = RegisterModeChoice.direct,
+    read_threads: ReadThreadsOpt = None,
     sleep_time: Annotated[
         float | None,
         typer.Option(
@@ -86,6 +88,7 @@ def save_metas_command(
         sleep_time=sleep_time,
         timeout=timeout,
         register_mode=register_mode.value,
+        read_threads=read_threads,
         verbose=verbose,
     )
     run_job_with_display(run_save_metas, opts, out)

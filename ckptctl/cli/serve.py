@@ -29,6 +29,7 @@ from ckptctl.cli._options import (
     MemFractionOpt,
     PushTimeoutOpt,
     QuietOpt,
+    ReadThreadsOpt,
     RegisterModeOpt,
     SplitOpt,
     UdsListOpt,
@@ -103,7 +104,8 @@ def serve_command(
     api_key: ApiKeyOpt = None,
     control_socket: ControlSocketOpt = None,
     split: SplitOpt = SplitChoice.auto,
-    register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    register_mode: RegisterModeOpt = RegisterModeChoice.direct,
+    read_threads: ReadThreadsOpt = None,
     push_timeout: PushTimeoutOpt = 600.0,
     bucket_size_gb: BucketSizeOpt = None,
     mem_fraction: MemFractionOpt = None,
@@ -112,7 +114,7 @@ def serve_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Keep a parameter server up on every rank and push checkpoints on command (experimental).
+    """Keep a parameter server up on every rank and push checkpoints on command .
 
     Start it under torchrun like `update`; then, on the node, `ckptctl push --checkpoint-path
     DIR` pushes a checkpoint into the server(s), `ckptctl status` reports, and `ckptctl stop`
@@ -137,6 +139,7 @@ def serve_command(
         control_socket=control_socket,
         split=split.value,
         register_mode=register_mode.value,
+        read_threads=read_threads,
         push_timeout=push_timeout,
         bucket_size_gb=bucket_size_gb,
         mem_fraction=mem_fraction,
@@ -200,7 +203,7 @@ def push_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Push a checkpoint through a running `ckptctl serve` job on this node (experimental)."""
+    """Push a checkpoint through a running `ckptctl serve` job on this node ."""
     out = Output(json_mode=json_output, quiet=quiet)
     path = _find(control_socket, endpoint, uds, wait)
     doc = _call(
@@ -238,7 +241,7 @@ def status_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Show what a running `ckptctl serve` job on this node holds and did last (experimental)."""
+    """Show what a running `ckptctl serve` job on this node holds and did last ."""
     out = Output(json_mode=json_output, quiet=quiet)
     path = _find(control_socket, endpoint, uds, wait)
     doc = _call(path, "GET", "/status", None, 10.0)
@@ -266,7 +269,7 @@ def stop_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Stop a running `ckptctl serve` job on this node: every rank ends cleanly (experimental).
+    """Stop a running `ckptctl serve` job on this node: every rank ends cleanly .
 
     A push under way finishes first; pushes still waiting fail.
     """

@@ -29,6 +29,7 @@ from ckptctl.cli._options import (
     JsonOpt,
     MemFractionOpt,
     QuietOpt,
+    ReadThreadsOpt,
     RegisterModeOpt,
     ResetServedWeightsOpt,
     SleepTimeOpt,
@@ -80,7 +81,8 @@ def update_command(
     ] = None,
     checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
     split: SplitOpt = SplitChoice.auto,
-    register_mode: RegisterModeOpt = RegisterModeChoice.engine,
+    register_mode: RegisterModeOpt = RegisterModeChoice.direct,
+    read_threads: ReadThreadsOpt = None,
     consume_shm_files: ConsumeShmOpt = False,
     save_metas_file: Annotated[
         Path | None,
@@ -248,6 +250,7 @@ def update_command(
         bucket_size_gb=bucket_size_gb,
         mem_fraction=mem_fraction,
         register_mode=mode,
+        read_threads=read_threads,
         verify=verify_how,
         verbose=verbose,
     )

@@ -30,7 +30,8 @@ class SaveMetasOptions:
     split: str = "auto"
     sleep_time: float | None = None  # None: until SIGTERM/SIGINT
     timeout: float = 600.0
-    register_mode: str = "engine"
+    register_mode: str = "direct"
+    read_threads: int | None = None
     verbose: bool = False
 
 
@@ -42,15 +43,19 @@ def run_save_metas(
     launch = prepare_environment()
     missing = p2p_missing()
 
+    early = stages.EarlyShare(
+        opts.checkpoint_path, opts.split, launch, opts.register_mode, opts.read_threads, reporter
+    )
+
     def body(job: Job) -> dict[str, Any]:
-        checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split)
-        reader = stages.prefetch_share(checkpoint, share, opts.register_mode, reporter=job.reporter)
+        checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split, early)
+        reader = early.reader
         session = stages.start_parameter_server(job, p2p="optional" if missing is None else "off")
         stages.register_share(
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
         )
         stages.build_group(job, session)
-        stages.gather_metas(job, session, opts.checkpoint_name)
+        stages.gather_metas(job, session, opts.checkpoint_name, reader)
         stages.save_metas(job, session, opts.metas_file, opts.checkpoint_name)
         ranks = job.gather_figures(job.figures())
         ended = stages.serve(job, opts.sleep_time)

@@ -218,6 +218,23 @@ def watch_p2p_reads(store: Any, on_failed_read: Callable[[str], None]) -> None:
     store.batch_transfer_sync_read = checked_read
 
 
+def unique_socket_counter() -> int:
+    """Where this process's count of checkpoint-engine's zmq sockets starts.
+
+    checkpoint-engine names the socket of every update
+    `ipc://@checkpoint-engine-<GPU uuid>-<count>.sock`, in the host's shared abstract
+    namespace, and counts from 0 in every process: two jobs that update through one GPU at a
+    time (a serve job and an update, a save-metas holder beside a joiner, tests run side by
+    side) bind the same name, and the second fails with EADDRINUSE (seen on 2x H200); the
+    names are also easy to guess for anyone on the host. A random start gives each job names of
+    its own. The ranks still agree: checkpoint-engine all-reduces the largest count before
+    every update (`_detect_bucket_size`), and each rank names every rank's socket with it.
+    """
+    import secrets
+
+    return secrets.randbits(40) << 16  # room for 65536 updates before any overlap
+
+
 def release_ipc_reference(handle: Any) -> bool:
     """Give back the reference a consumer of a CUDA IPC handle would have released.
 
@@ -273,6 +290,97 @@ def rescue(endpoint: str, message: str, timeout_s: float = 30.0) -> threading.Th
     thread = threading.Thread(target=run, name="ckptctl-rescue", daemon=True)
     thread.start()
     return thread
+
+
+def own_facts(ps: Any, name: str) -> dict[str, Any]:
+    """What this rank's ParameterServer adds to the plan for `gather_planned`: its buffers'
+    addresses, sizes and tensor counts, its host, GPU and p2p store (what gather_metas sends)."""
+    from ckptctl.pipeline.engine import engine_module
+
+    own = ps._memory_pool.get(name, [])
+    return {
+        "ptrs": [b.buffer.data_ptr() for b in own],
+        "sizes": [b.size for b in own],
+        "tensors": [len(b.metas) for b in own],
+        "p2p_store_addr": None if ps._p2p_store is None else ps._p2p_store.addr,
+        "host_ip": engine_module("device_utils").get_ip(),
+        "device_uuid": ps._device_uuid,
+        "rdma_device": ps._rdma_device or "",
+    }
+
+
+def all_gather_json(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's `doc`, in rank order, over the job's process group: JSON bytes in two
+    all_gathers (lengths, then the padded bytes), never a pickle."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    data = json.dumps(doc).encode()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    sizes = [int(n.item()) for n in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    padded = padded.to(device)
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return [json.loads(bytes(g[:n].cpu().tolist())) for g, n in zip(gathered, sizes, strict=True)]
+
+
+def apply_gathered(
+    ps: Any, docs: list[dict[str, Any]], planned: dict[int, list[tuple[int, list[Any]]]]
+) -> None:
+    """Leave `ps` as checkpoint-engine's gather_metas would: the global metas (ranks without
+    buffers left out), the hosts and GPU UUIDs (kept from the first gather), the RDMA
+    topology. tests/test_gather_planned.py runs checkpoint-engine's own gather_metas beside
+    this and compares everything it sets, so a change there fails a test, not an update."""
+    from ckptctl.pipeline.engine import engine_module
+
+    types = engine_module("data_types")
+    global_metas: dict[int, Any] = {}
+    all_hosts: list[str] = []
+    device_uuids: list[str] = []
+    for rank, doc in enumerate(docs):
+        buffers = planned.get(rank, [])
+        if doc["sizes"] != [size for size, _ in buffers] or doc["tensors"] != [
+            len(metas) for _, metas in buffers
+        ]:
+            raise OperationFailed(
+                f"rank {rank} registered buffers of {doc['sizes']} bytes, not the "
+                f"{[size for size, _ in buffers]} this rank planned for it: the ranks run "
+                "different ckptctl versions or see different checkpoints"
+            )
+        if rank % ps._gpu_count == 0 and not ps._all_hosts:
+            all_hosts.append(doc["host_ip"])
+        if not ps._global_device_uuids:
+            device_uuids.append(doc["device_uuid"])
+        if buffers:
+            global_metas[rank] = types.MemoryBufferMetaList.model_construct(
+                p2p_store_addr=doc["p2p_store_addr"],
+                rdma_device=doc["rdma_device"],
+                memory_buffer_metas_list=[
+                    types.MemoryBufferMetas.model_construct(metas=metas, ptr=ptr, size=size)
+                    for (size, metas), ptr in zip(buffers, doc["ptrs"], strict=True)
+                ],
+            )
+        addr = doc["p2p_store_addr"]
+        key = doc["rdma_device"] + "@" + addr.split(":")[0] if addr else doc["host_ip"]
+        ps._local_rdma_devices[key].add(rank)
+    ps._current_global_parameter_metas = global_metas
+    if not ps._all_hosts:
+        ps._all_hosts = all_hosts
+    if not ps._global_device_uuids:
+        ps._global_device_uuids = device_uuids
+    ps._remote_rdma_devices = ps._local_rdma_devices.copy()
 
 
 def last_line(traceback_text: str) -> str:
@@ -355,7 +463,9 @@ class ParameterServerSession:
             store=group_store,
             device_index=local_device_index(rank),
         )
-        from checkpoint_engine.ps import ParameterServer
+        from ckptctl.pipeline.engine import engine_module
+
+        ParameterServer = engine_module("ps").ParameterServer  # noqa: N806 - a class
 
         self._io_timeout = io_timeout
         self.p2p_error: str | None = None
@@ -373,6 +483,7 @@ class ParameterServerSession:
             self.ps = ParameterServer(auto_pg=False)
         if p2p == "required" and self.ps._p2p_store is None:
             raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
+        self.ps._zmq_addr_counter = unique_socket_counter()
         self.sockets: list[ReplyWatchingSocket] = []  # the current update's (one per bind)
         # Set by the update stage: called with each bucket's bytes once the worker loaded it.
         self.on_bucket_loaded: Callable[[int], None] | None = None
@@ -449,6 +560,15 @@ class ParameterServerSession:
     def gather(self, name: str) -> None:
         self.ensure_group()
         self.ps.gather_metas(name)
+
+    def gather_planned(self, name: str, planned: dict[int, list[tuple[int, list[Any]]]]) -> None:
+        """checkpoint-engine's gather_metas, without pickling every rank's metas through
+        all_gather_object (1.2 s for 90k tensors on 2x H200): every rank worked out every
+        rank's buffers from the plan they share (pinning.planned_buffers), so only what the
+        plan cannot know travels - each buffer's address, the host, GPU and p2p store - as
+        JSON. The sizes and tensor counts travel too, and must match what was planned."""
+        self.ensure_group()
+        apply_gathered(self.ps, all_gather_json(own_facts(self.ps, name)), planned)
 
     def metas(self) -> dict[int, Any]:
         return self.ps.get_metas()

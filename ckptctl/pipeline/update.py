@@ -37,7 +37,8 @@ class UpdateOptions:
     timeout: float = 600.0
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
-    register_mode: str = "engine"
+    register_mode: str = "direct"
+    read_threads: int | None = None  # direct registration's reader threads (None: from the cores)
     verify: str | None = None  # None | "auto" (--verify) | "round-trip" (--verify-round-trip)
     verbose: bool = False
 
@@ -219,11 +220,17 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
     else:
         p2p = "optional" if opts.save_metas_file and missing is None else "off"
 
+    # Planning (and in direct mode reading) starts now, while the job's store is joined and
+    # torch imported.
+    early = stages.EarlyShare(
+        opts.checkpoint_path, split, launch, opts.register_mode, opts.read_threads, reporter
+    )
+
     def body(job: Job) -> dict[str, Any]:
-        checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, split)
+        checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, split, early)
         if opts.register_mode == "consume":
             check_consumable_together(job, plan)  # before any rank consumes a file
-        reader = stages.prefetch_share(checkpoint, share, opts.register_mode, reporter=job.reporter)
+        reader = early.reader
         session = stages.start_parameter_server(job, p2p=p2p)
         stages.register_share(
             job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
@@ -234,7 +241,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             verification = check_offers(job, assignment, round_trip=opts.verify == "round-trip")
             start_hashing(job, session, opts.checkpoint_name, verification)
         stages.build_group(job, session)
-        stages.gather_metas(job, session, opts.checkpoint_name)
+        stages.gather_metas(job, session, opts.checkpoint_name, reader)
         if opts.save_metas_file:
             stages.save_metas(job, session, opts.save_metas_file, opts.checkpoint_name)
         if verification is not None:

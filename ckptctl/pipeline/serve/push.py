@@ -175,12 +175,20 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
             # push's closing barrier).
             session.unregister(state["registered"], pool)
             state["registered"] = None
-        reader = stages.prefetch_share(checkpoint, share, mode, pool if mode == "direct" else None)
+        reader = stages.prefetch_share(
+            checkpoint,
+            share,
+            mode,
+            pool if mode == "direct" else None,
+            plan=plan,
+            read_threads=opts.read_threads,
+            reporter=job.reporter,
+        )
         stages.register_share(job, session, name, checkpoint, share, mode, reader)
         transfer_began = False
         try:
             stages.wait_for_server(job, assignment, opts.servers.engine)
-            stages.gather_metas(job, session, name)
+            stages.gather_metas(job, session, name, reader)
             servers = opts.servers
             if command.get("weight_version") is not None:
                 from dataclasses import replace

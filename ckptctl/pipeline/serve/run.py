@@ -17,7 +17,8 @@ class ServeOptions:
     servers: Any  # ServerTargets
     control_socket: str | None = None  # None: named after the servers (control.py)
     split: str = "auto"
-    register_mode: str = "engine"
+    register_mode: str = "direct"
+    read_threads: int | None = None
     push_timeout: float = 600.0
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None

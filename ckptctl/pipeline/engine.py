@@ -1,0 +1,64 @@
+"""checkpoint-engine's modules, imported without running its package `__init__` first.
+
+`import checkpoint_engine.ps` executes checkpoint_engine/__init__.py before ps.py, and that
+imports the package's HTTP API (fastapi, starlette, its pydantic request models): 4.5 s for
+`import checkpoint_engine.ps` against 3.4 s for `import torch` alone on the H200 machine, on
+every rank's critical path, for an API no rank uses. The modules we use (ps, data_types,
+device_utils, worker) import their siblings directly and never the API.
+
+So the package is entered as a bare module - its `__path__`, nothing executed - and its
+`__init__` runs the first time anyone asks the package itself for a name (`from
+checkpoint_engine import X`, `checkpoint_engine.__version__`), through a module `__getattr__`
+(PEP 562): code that expects the whole package still gets it, only later.
+tests/test_engine_import.py fails when checkpoint-engine changes so that this stops holding.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+PACKAGE = "checkpoint_engine"
+_lock = threading.RLock()
+
+
+def engine_module(name: str) -> Any:
+    """`checkpoint_engine.<name>`, the package's own `__init__` deferred (see above)."""
+    with _lock:
+        _enter_package()
+    return importlib.import_module(f"{PACKAGE}.{name}")
+
+
+def _enter_package() -> None:
+    if PACKAGE in sys.modules:
+        return  # imported already (whole, or bare by us): nothing to do
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.loader is None or spec.submodule_search_locations is None:
+        return  # not installed as a package: the import below raises the usual error
+    package = importlib.util.module_from_spec(spec)
+    finished = threading.Event()
+
+    def finish_init(name: str) -> Any:
+        """The first name asked of the package: run its __init__ now, then answer."""
+        with _lock:
+            if not finished.is_set():
+                finished.set()
+                del package.__dict__["__getattr__"]
+                spec.loader.exec_module(package)  # type: ignore[union-attr]
+        try:
+            return package.__dict__[name]
+        except KeyError:
+            raise AttributeError(f"module {PACKAGE!r} has no attribute {name!r}") from None
+
+    package.__dict__["__getattr__"] = finish_init
+    sys.modules[PACKAGE] = package
+
+
+def is_bare(module: ModuleType | None = None) -> bool:
+    """Whether the package's `__init__` has not run (for tests and benchmarks)."""
+    module = module or sys.modules.get(PACKAGE)
+    return module is not None and "__getattr__" in module.__dict__
