@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fake_server import Behaviour, FakeServer
+from fake_server import Behaviour, FakeServer, reserved_port
 from typer.testing import CliRunner
 
 from ckptctl.cli import app
+
+
+@pytest.fixture(autouse=True)
+def _own_environment() -> Iterator[None]:
+    """Each test gets the environment it started with back: an in-process `update` sets
+    RANK, WORLD_SIZE, MASTER_PORT... (prepare_environment), and under pytest-xdist the tests
+    that would inherit them change from run to run."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture
@@ -22,6 +36,14 @@ def server() -> Iterator[FakeServer]:
     """An SGLang 0.5.23-like server on a loopback port, waiting for its first weights."""
     with FakeServer(Behaviour()) as s:
         yield s
+
+
+@pytest.fixture
+def refused_endpoint() -> Iterator[str]:
+    """An http://127.0.0.1:PORT URL that refuses connections for the whole test: its port is
+    held, not listening, so no test running beside this one can open a server there."""
+    with reserved_port() as sock:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest.fixture
@@ -67,12 +89,16 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` need CUDA and checkpoint-engine's ParameterServer: skip them on CPU."""
-    if any("gpu" in item.keywords for item in items) and not _cuda_available():
+    """Tests marked `gpu` need CUDA and checkpoint-engine's ParameterServer: skip them on CPU.
+    Where they run, they run one at a time (one pytest-xdist worker: `--dist loadgroup`), as
+    they share the machine's GPUs."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    for item in gpu:
+        item.add_marker(pytest.mark.xdist_group("gpu"))
+    if gpu and not _cuda_available():
         skip = pytest.mark.skip(reason="needs CUDA (run on a GPU node: python -m pytest -m gpu)")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+        for item in gpu:
+            item.add_marker(skip)
 
 
 def assert_failure_document(stdout: str, code: int) -> dict:
@@ -86,11 +112,39 @@ def assert_failure_document(stdout: str, code: int) -> dict:
     return doc
 
 
+def wait_until(condition: Callable[[], object], timeout: float = 60, what: str = "") -> None:
+    """Wait for `condition()` to be true, polling; fail the test (naming `what`) at the
+    deadline. The deadline is a safety net for a broken product, never the expected path."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what or condition}")
+        time.sleep(0.02)
+
+
 def wait_for_path(path: str, timeout: float = 60) -> bool:
     """Wait until `path` exists (a job's control socket, a file it writes)."""
-    import time
-
     deadline = time.monotonic() + timeout
     while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.05)
     return os.path.exists(path)
+
+
+def read_until(proc: subprocess.Popen, needle: str, timeout: float = 60) -> str:  # type: ignore[type-arg]
+    """Read the process's stderr (a pipe) until `needle` appears; what was read. Later output
+    stays in the pipe for `communicate`. Fails the test at the deadline or when the process
+    ends first."""
+    assert proc.stderr is not None
+    fd, seen = proc.stderr.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while needle.encode() not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no {needle!r} on stderr within {timeout:g}s: {seen!r}")
+        ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"the process ended before {needle!r}: {seen!r}")
+            seen += chunk
+    return seen.decode(errors="replace")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 from ckptctl.errors import InvalidInput
@@ -16,10 +17,28 @@ from ckptctl.launch import launch_info
 from ckptctl.pipeline.coordination import Coordinator, Watchdog
 
 
+def say(line: str) -> None:
+    """One line on stdout in one write: the ranks share the pipe, unbuffered under torchrun, so
+    a print's text and its newline could be split by another rank's line."""
+    os.write(1, (line + "\n").encode())
+
+
+def wait_for_key(coordinator: Coordinator, key: str, timeout_s: float = 60) -> None:
+    """Wait until some rank has set `key` in the job's store (an event, not a delay)."""
+    deadline = time.monotonic() + timeout_s
+    while not coordinator.store.check([key]):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rank never saw {key!r} in the store")
+        time.sleep(0.05)
+
+
 def main(scenario: str) -> None:
     launch = launch_info()
     coordinator = Coordinator.connect(launch, timeout_s=30)
     assert coordinator is not None
+    # Every rank is up before any watchdog starts: heartbeats go stale after 3 s here, and on
+    # a busy machine one rank may take longer than that to import torch than another.
+    coordinator.barrier("started", timeout_s=60)
     timeout = 3.0 if scenario == "timeout" else 60.0
     watchdog = Watchdog(
         launch,
@@ -32,7 +51,7 @@ def main(scenario: str) -> None:
         coordinator.publish("figures", {"rank": launch.rank, "pid": os.getpid()})
         if launch.rank == 0:
             docs = coordinator.collect("figures", timeout_s=20)
-            print(json.dumps([d["rank"] for d in docs]), flush=True)
+            say(json.dumps([d["rank"] for d in docs]))
         watchdog.stop()
         return
     if scenario == "plan":
@@ -53,21 +72,28 @@ def main(scenario: str) -> None:
         except InvalidInput as exc:
             coordinator.publish_abort(3, str(exc))
             watchdog.fail(3, str(exc))
-        time.sleep(2)  # long enough to see an abort published by rank 0
+            time.sleep(3600)  # the watchdog ends this rank
+        # Rank 0 has compared every plan once it is here too: only then do the others go on
+        # (or their watchdogs end them with rank 0's abort).
+        coordinator.barrier("plans-checked", timeout_s=60)
         watchdog.stop()
-        print("plans agree", flush=True)
+        say("plans agree")
         return
     if scenario == "barrier":
-        # Rank 0 (the group leader waiting for a slow server) arrives 3 s late; the others
-        # wait at the barrier, with heartbeats going on (stale after 3 s would fire otherwise).
+        # Rank 0 (the group leader waiting for a slow server) arrives late: once every other
+        # rank is in the barrier, and longer after that than a heartbeat may be missing (3 s
+        # here). The others wait with their heartbeats going on, or rank 0 would take them
+        # for dead.
+        others = [f"servers-up/{r}" for r in range(1, launch.world_size)]
         if launch.rank == 0:
-            time.sleep(3.0)
-        t0 = time.monotonic()
-        coordinator.barrier("servers-up", timeout_s=30)
-        print(
-            f"rank {launch.rank} passed the barrier after {time.monotonic() - t0:.1f}s", flush=True
-        )
-        time.sleep(1.0)
+            for key in others:
+                wait_for_key(coordinator, key)  # (set by each rank as it enters the barrier)
+            time.sleep(4.0)
+            coordinator.store.set("rank-0-arrives", "1")
+        coordinator.barrier("servers-up", timeout_s=60)
+        late = coordinator.store.check(["rank-0-arrives"])
+        say(f"rank {launch.rank} passed the barrier, rank 0 late: {late}")
+        coordinator.barrier("done", timeout_s=60)  # nobody leaves while others still check
         watchdog.stop()
         return
     if scenario == "serve":
@@ -77,17 +103,25 @@ def main(scenario: str) -> None:
         from ckptctl.progress import Reporter
 
         job = Job(launch, coordinator, watchdog, Reporter(print, primary=launch.rank == 0))
-        print(f"rank {launch.rank} pid {os.getpid()} serving", flush=True)
+
+        def announce() -> None:
+            # Once serve() has taken over the signals: a SIGTERM from now on stops it cleanly.
+            while job.watchdog.on_signal is None:
+                time.sleep(0.01)
+            say(f"rank {launch.rank} pid {os.getpid()} serving")
+
+        threading.Thread(target=announce, daemon=True).start()
         ended = serve(job, None)
-        print(f"rank {launch.rank}: {ended}", flush=True)
+        say(f"rank {launch.rank}: {ended}")
         watchdog.stop()
         return
-    if scenario == "fail" and launch.rank == 1:
-        time.sleep(1.0)
-        watchdog.fail(1, "the server refused the update: HTTP 400: boom")
-    if scenario == "die" and launch.rank == 1:
-        time.sleep(1.0)
-        os._exit(9)  # no goodbye, like a segfault or the OOM killer
+    if scenario in ("fail", "die") and launch.rank == 1:
+        wait_for_key(coordinator, "stuck/0")  # rank 0 is stuck: now rank 1 goes wrong
+        if scenario == "fail":
+            watchdog.fail(1, "the server refused the update: HTTP 400: boom")
+        else:
+            os._exit(9)  # no goodbye, like a segfault or the OOM killer
+    coordinator.store.set(f"stuck/{launch.rank}", "1")
     time.sleep(3600)  # stands in for a rank stuck in an NCCL collective
 
 

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ class CpuParameterServerSession:
     def __init__(
         self, *, p2p: str, io_timeout: Any, group_store: Any = None, on_failure: Any = None
     ) -> None:
+        self.group_store = group_store  # the job's store (None for one process)
+        self.updates: dict[str, int] = {}  # per checkpoint name: the key of each update
         self.p2p_enabled = False
         self.p2p_error = None
         self.registered: dict[str, dict[str, Any]] = {}
@@ -130,22 +133,31 @@ class CpuParameterServerSession:
 
         self.rescued = None
         self.connected = "fail-after-connect" in name
+        self.updates[name] = self.updates.get(name, 0) + 1
         paths = [(f"GPU-fake-{r}", f"ipc://@fake-{r}.sock") for r in range(self.world)]
+        sent = len(getattr(req_func, "messages", []))
         thread = threading.Thread(target=req_func, args=(paths,))
         thread.start()
         thread.join()
+        # checkpoint-engine's update is collective: it returns on every rank together, once the
+        # leader's server has taken the weights, or fails on every rank. A rank here marks its
+        # part done (a leader only when its server said yes) and waits for all: a failed
+        # leader never marks it, and every rank is ended - by the watchdog (update) or by the
+        # rescue of its transfer (serve) - never left to finish, or exit 0, on its own. Where
+        # the workers connected, their error replies end the transfer on every rank
+        # (checkpoint-engine's error path): it is over, failed or not.
         leader = getattr(getattr(req_func, "assignment", None), "is_leader", False)
-        failed = leader and not getattr(req_func, "messages", None)
-        if self.rescued is None and failed and not self.connected:
-            # The request failed and nothing rescued the transfer: the real PS stays blocked
-            # on its socket until the watchdog ends the process. Returning instead would race
-            # the watchdog to the finish (a failed push could exit 0). (Where the workers
-            # connected, their error reply ends the transfer: checkpoint-engine's error path.)
-            threading.Event().wait()
-        if self.rescued is None and self.world > 1:
-            # The other ranks learn of a failure through the store (serve's watcher):
-            # checkpoint-engine's update returns on every rank together, so wait a little.
-            threading.Event().wait(0.5)
+        ok = self.connected or not leader or len(getattr(req_func, "messages", [])) > sent
+        key = f"cpu-ps/{name}/{self.updates[name]}"
+        store = self.group_store
+        if ok and self.rescued is None and store is not None:
+            store.set(f"{key}/{self.rank}", "done")
+
+        def all_done() -> bool:
+            return ok if store is None else store.check([f"{key}/{r}" for r in range(self.world)])
+
+        while self.rescued is None and not all_done():
+            time.sleep(0.02)
         if os.environ.get("CPU_PS_SLOW_UPDATE_RANK") == str(self.rank):
             threading.Event().wait(1.0)  # still copying this rank's buffers
         self._event("update-end", name)
@@ -181,8 +193,6 @@ if __name__ == "__main__":
     pinning_module.unpin = lambda buffer: None  # type: ignore[assignment]
     if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ.get("RANK", "0"):
         # This rank checks a --consume-shm-files plan late (a slower node, a busy CPU).
-        import time
-
         import ckptctl.pipeline.update as update_module
 
         check = update_module.check_consumable

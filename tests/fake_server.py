@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import socketserver
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -108,14 +110,26 @@ class Behaviour:
     # ("GET" | "POST", path) -> handler. Served before misbehaviour and the API key, in every
     # profile, so a test can always inspect and steer the server (see gpu_receiver.py).
     routes: dict[tuple[str, str], RouteHandler] = field(default_factory=dict)
+    # Every request, in arrival order: method, path, headers, body, and the HTTP status it
+    # was answered with ("status", set as the answer goes out; absent while it is pending or
+    # when the server misbehaved instead). Tests assert on what the server saw, not on time.
     requests: list[dict[str, Any]] = field(default_factory=list)
     # What /weights_checker sees (a fake_checker.HeldWeights); an empty one when None.
     held: Any = None
+
+    def statuses(self, path: str) -> list[int]:
+        """The statuses answered so far to requests for `path` (query string ignored)."""
+        return [
+            r["status"]
+            for r in list(self.requests)
+            if r["path"].split("?")[0] == path and "status" in r
+        ]
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: Any  # _TCPServer | _UnixServer, both carry .behaviour and .stopping
     protocol_version = "HTTP/1.1"
+    _entry: dict[str, Any] | None = None  # this request's record in behaviour.requests
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - keep tests quiet
         pass
@@ -123,6 +137,7 @@ class _Handler(BaseHTTPRequestHandler):
     # -- plumbing ---------------------------------------------------------------------------
     def _send_json(self, status: int, doc: Any) -> None:
         body = json.dumps(doc).encode()
+        self._answering(status)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -130,9 +145,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _send_empty(self, status: int) -> None:
+        self._answering(status)
         self.send_response(status)
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+    def _answering(self, status: int) -> None:
+        """Record the status before any byte of the answer leaves: once the client has an
+        answer, the test sees its status; a change the test makes after seeing it can no
+        longer reach that answer."""
+        if self._entry is not None:
+            self._entry["status"] = status
 
     def _read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
@@ -237,9 +260,13 @@ class _Handler(BaseHTTPRequestHandler):
         return True
 
     def _record(self, method: str, body: bytes) -> None:
-        self.server.behaviour.requests.append(
-            {"method": method, "path": self.path, "headers": dict(self.headers), "body": body}
-        )
+        self._entry = {
+            "method": method,
+            "path": self.path,
+            "headers": dict(self.headers),
+            "body": body,
+        }
+        self.server.behaviour.requests.append(self._entry)
 
     # -- routes -----------------------------------------------------------------------------
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
@@ -296,6 +323,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self._send_json(status, body)
 
     def _send_raw(self, status: int, body: bytes) -> None:
+        self._answering(status)
         self.send_response(status)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -385,11 +413,19 @@ class FakeServer:
     """Start with `FakeServer(...).start()`, stop with `.stop()`; also a context manager."""
 
     def __init__(
-        self, behaviour: Behaviour | None = None, *, uds: str | None = None, port: int = 0
+        self,
+        behaviour: Behaviour | None = None,
+        *,
+        uds: str | None = None,
+        port: int = 0,
+        listen_on: socket.socket | None = None,
     ) -> None:
         self.behaviour = behaviour or Behaviour()
         self.uds = uds
         self.port = port
+        # A TCP socket already bound (see `reserved_port`): the server listens on it, so a
+        # port a client has been refused on opens late without another process taking it.
+        self.listen_on = listen_on
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -402,6 +438,13 @@ class FakeServer:
             if os.path.exists(self.uds):
                 os.unlink(self.uds)
             server: Any = _UnixServer(self.uds, _Handler)
+        elif self.listen_on is not None:
+            server = _TCPServer(("127.0.0.1", 0), _Handler, bind_and_activate=False)
+            server.socket.close()
+            server.socket = self.listen_on
+            server.server_address = self.listen_on.getsockname()
+            server.server_activate()  # listen(): connections are accepted from now on
+            self.port = server.server_address[1]
         else:
             server = _TCPServer(("127.0.0.1", self.port), _Handler)
             self.port = server.server_address[1]
@@ -431,22 +474,71 @@ class FakeServer:
 
 
 def free_port() -> int:
+    """A port free now, for a server started right away in this process. Another process may
+    take it before it is used: for "nothing listens here" use `reserved_port`, for torchrun
+    `free_master_port`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def reserved_port() -> Iterator[socket.socket]:
+    """A loopback TCP socket bound to a port of its own, not listening: a client's connection
+    to that port is refused, and no other process can bind it meanwhile (a port that was merely
+    free could be taken by a parallel test and answer). `FakeServer(listen_on=...)` opens it."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", 0))
+        yield sock
+    finally:
+        sock.close()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            lo, hi = (int(x) for x in fh.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _port_band() -> range | None:
+    """Where torchrun ports are picked: below the kernel's ephemeral range, which every
+    bind(0) and every outgoing connection on the machine draws from at any moment, and a band
+    of its own for each pytest-xdist worker, so that two workers never pick the same port.
+    None when the ephemeral range leaves no room below it."""
+    low, high = 20000, min(_ephemeral_range()[0], 32768)
+    if high - low < 1000:
+        return None
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), index + 1)
+    width = (high - low) // count
+    return range(low + index * width, low + (index + 1) * width - 1)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_master_port() -> int:
-    """A torchrun --master-port whose next port is free too: checkpoint-engine's store
-    listens on MASTER_PORT+1."""
+    """A torchrun --master-port whose next port is free too (checkpoint-engine's store listens
+    on MASTER_PORT+1). torchrun binds it seconds later, after importing torch: the port comes
+    from this worker's band outside the ephemeral range (`_port_band`), so neither a parallel
+    test nor the kernel hands it out meanwhile. `run_torchrun` retries if it was taken all
+    the same (another test suite on the machine)."""
+    band = _port_band()
     while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
+        port = random.choice(band) if band is not None else free_port()
+        if _bindable(port) and _bindable(port + 1):
+            return port
 
 
 def torchrun_cmd(
@@ -459,6 +551,32 @@ def torchrun_cmd(
         "--master-addr", "127.0.0.1", "--master-port", str(port or free_master_port()),
         *program,
     ]  # fmt: skip
+
+
+def run_torchrun(
+    *program: str, nproc: int = 2, timeout: float = 100, **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run `torchrun_cmd(*program)` to the end (output captured as text), once more on a new
+    port if another process took the chosen one before torchrun could bind it. A run that
+    outlasts `timeout` (or the test's own timeout) gets SIGTERM first, which torchrun passes
+    on to its ranks: killed outright, it would leave them running."""
+    for attempt in range(3):
+        cmd = torchrun_cmd(*program, nproc=nproc)
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+        ) as proc:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except BaseException:
+                proc.terminate()
+                try:
+                    proc.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                raise
+        if "EADDRINUSE" not in err or attempt == 2:
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    raise AssertionError("unreachable")
 
 
 def main() -> None:

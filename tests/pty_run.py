@@ -10,10 +10,18 @@ import select
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 
-def run_on_pty(cmd: list[str], *, columns: int = 80, timeout: float = 120) -> tuple[int, str, str]:
-    """(exit code, stdout, what the terminal received) of `cmd`, bounded by `timeout`."""
+def run_on_pty(
+    cmd: list[str],
+    *,
+    columns: int = 80,
+    timeout: float = 120,
+    on_output: Callable[[str], None] | None = None,
+) -> tuple[int, str, str]:
+    """(exit code, stdout, what the terminal received) of `cmd`, bounded by `timeout`.
+    `on_output` sees the terminal's text so far after every read (to act on what is shown)."""
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "NO_COLOR")}
     proc = subprocess.Popen(
@@ -39,6 +47,8 @@ def run_on_pty(cmd: list[str], *, columns: int = 80, timeout: float = 120) -> tu
             if not data:
                 break
             chunks.append(data)
+            if on_output is not None:
+                on_output(b"".join(chunks).decode(errors="replace"))
         elif proc.poll() is not None:
             break
     os.close(master)

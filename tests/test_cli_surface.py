@@ -99,15 +99,13 @@ def test_a_dry_run_is_a_successful_envelope(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_wait_ready_timeout_keeps_its_fields_in_the_envelope(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], refused_endpoint: str
 ) -> None:
-    from fake_server import free_port
-
     code, out, _ = cli(
         capsys,
         "wait-ready",
         "--endpoint",
-        f"http://127.0.0.1:{free_port()}",
+        refused_endpoint,
         "--timeout",
         "0",
         "--json",

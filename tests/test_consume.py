@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,13 +16,18 @@ TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 
 
 @pytest.fixture
-def shm_copy() -> Path:
+def shm_dir() -> Iterator[Path]:
+    """A folder of this test's own in /dev/shm (where --consume-shm-files is allowed)."""
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here")
-    path = Path("/dev/shm") / f"ckptctl-consume-{os.getpid()}"
-    shutil.copytree(TINY, path)
+    path = Path(tempfile.mkdtemp(prefix="ckptctl-consume-", dir="/dev/shm"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_copy(shm_dir: Path) -> Path:
+    return Path(shutil.copytree(TINY, shm_dir / "tiny"))
 
 
 def _update(path: Path, *extra: str):  # type: ignore[no-untyped-def]
@@ -54,15 +61,13 @@ def test_nothing_is_deleted_when_the_job_fails_first(shm_copy: Path) -> None:
     assert sorted(p.name for p in shm_copy.iterdir()) == before
 
 
-def test_a_checkpoint_in_place_pinning_cannot_serve_is_refused_untouched(tmp_path: Path) -> None:
+def test_a_checkpoint_in_place_pinning_cannot_serve_is_refused_untouched(shm_dir: Path) -> None:
     """Mixed dtypes in two shards: checkpoint-engine packs a rank's files back to back, so the
     second file's int64s land at odd offsets and the server cannot view them (seen on the H200
     machine: "storage_offset() must be divisible by 8"). Refused with exit 3, nothing consumed."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm here")
     from ckpt_factory import mixed_tensors, write_real_checkpoint
 
-    path = Path("/dev/shm") / f"ckptctl-consume-mixed-{os.getpid()}"
+    path = shm_dir / "mixed"
     mixed = mixed_tensors(seed=1)
     names = sorted(mixed)  # two shards: safetensors aligns within a file, not across files
     write_real_checkpoint(
@@ -81,14 +86,12 @@ def test_a_checkpoint_in_place_pinning_cannot_serve_is_refused_untouched(tmp_pat
         shutil.rmtree(path, ignore_errors=True)
 
 
-def test_a_dtype_in_place_pinning_cannot_read_is_refused_untouched() -> None:
+def test_a_dtype_in_place_pinning_cannot_read_is_refused_untouched(shm_dir: Path) -> None:
     """checkpoint-engine reads in-place files' dtypes through safetensors' own table, which
     lacks F8_E8M0: it would fail halfway, after deleting other files. Refused up front."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm here")
     from ckpt_factory import header_bytes
 
-    path = Path("/dev/shm") / f"ckptctl-consume-e8m0-{os.getpid()}"
+    path = shm_dir / "e8m0"
     path.mkdir()
     header = {"scales": {"dtype": "F8_E8M0", "shape": [8], "data_offsets": [0, 8]}}
     (path / "model.safetensors").write_bytes(header_bytes(header) + bytes(range(8)))

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,10 +31,10 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/s
 
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"ckptctl-paths-{os.getpid()}"
-    shutil.copytree(TINY, path)
+    own = Path(tempfile.mkdtemp(prefix="ckptctl-paths-", dir="/dev/shm"))  # (this test's own)
+    path = Path(shutil.copytree(TINY, own / "ckpt"))
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(own, ignore_errors=True)
 
 
 def _contents(*folders: Path) -> dict[str, bytes]:

@@ -8,10 +8,9 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-from fake_server import torchrun_cmd
+from fake_server import run_torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,15 +23,21 @@ from ckptctl.pipeline.process_group import BackgroundProcessGroup
 
 launch = launch_info()
 coordinator = Coordinator.connect(launch, timeout_s=30)
-t0 = time.perf_counter()
+if launch.rank == 1:
+    # Rank 1 starts building only once rank 0's constructor has returned: a constructor
+    # that waited for its peers would never return, and this wait would fail.
+    deadline = time.monotonic() + 60
+    while not coordinator.store.check(["rank-0-constructed"]):
+        assert time.monotonic() < deadline, "rank 0's constructor waited for its peers"
+        time.sleep(0.02)
 group = BackgroundProcessGroup(rank=launch.rank, world_size=launch.world_size,
                                store=coordinator.store, backend="gloo")
-returned_in = time.perf_counter() - t0  # the constructor must not wait for the peers
+if launch.rank == 0:
+    coordinator.store.set("rank-0-constructed", "1")
 group.wait(60)
 value = torch.tensor([launch.rank + 1.0])
 dist.all_reduce(value)  # the default group: what checkpoint-engine's collectives use
-doc = {"rank": launch.rank, "sum": value.item(), "world": dist.get_world_size(),
-       "returned_in": returned_in}
+doc = {"rank": launch.rank, "sum": value.item(), "world": dist.get_world_size()}
 os.write(1, (json.dumps(doc) + "\n").encode())  # one write: the ranks share the pipe
 # As the CLI ends a GPU job: a group built off the main thread can abort an interpreter
 # shutdown ("terminate called without an active exception", seen with gloo here).
@@ -44,15 +49,12 @@ results.leave_group_to_exit(0)
 def test_the_ranks_of_a_torchrun_job_meet_in_the_default_group(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(TWO_RANKS)
-    r = subprocess.run(
-        torchrun_cmd(str(script), nproc=2), capture_output=True, text=True, timeout=120, cwd=REPO
-    )
+    r = run_torchrun(str(script), nproc=2, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     docs = sorted((json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")),
                   key=lambda d: d["rank"])  # fmt: skip
     assert [d["rank"] for d in docs] == [0, 1]
     assert all(d["sum"] == 3.0 and d["world"] == 2 for d in docs)
-    assert all(d["returned_in"] < 1.0 for d in docs)
 
 
 def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -82,14 +84,13 @@ def test_a_rank_that_never_comes_is_a_bounded_wait_and_the_process_still_leaves(
     and leave_group_to_exit ends the process although the builder thread is still stuck in
     the rendezvous (an interpreter shutdown under it could hang)."""
     r = _run("""
-        import socket, sys
         from torch.distributed import TCPStore
         from ckptctl import results
         from ckptctl.errors import DeadlineExceeded
         from ckptctl.pipeline.process_group import BackgroundProcessGroup
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-        store = TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+        # Port 0: the store binds a free port itself (a port found free and bound later
+        # could be taken meanwhile by a test running beside this one).
+        store = TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
         g = BackgroundProcessGroup(rank=0, world_size=2, store=store, backend="gloo")
         try:
             g.wait(1.0)
@@ -104,7 +105,6 @@ def test_a_rank_that_never_comes_is_a_bounded_wait_and_the_process_still_leaves(
 
 
 def test_a_failed_build_is_raised_on_the_waiting_thread() -> None:
-    t0 = time.perf_counter()
     r = _run("""
         from ckptctl.errors import OperationFailed
         from ckptctl.pipeline.process_group import BackgroundProcessGroup
@@ -119,10 +119,9 @@ def test_a_failed_build_is_raised_on_the_waiting_thread() -> None:
             results.leave_group_to_exit(7)
         print("still here", flush=True)
     """)
-    assert r.returncode == 7, r.stderr
+    assert r.returncode == 7, r.stderr  # raised at once: a wait that ran out would say 4
     assert "still here" not in r.stdout
     assert r.stdout.startswith("failed: could not build the NCCL process group")
-    assert time.perf_counter() - t0 < 30
 
 
 ONE_FAILS_FIRST = r"""
@@ -161,15 +160,12 @@ def test_a_rank_that_fails_before_the_group_ends_the_ranks_that_wait_in_it(
     the watchdog's) and end it with rank 0's exit code, long before --timeout."""
     script = tmp_path / "rank.py"
     script.write_text(ONE_FAILS_FIRST)
-    t0 = time.perf_counter()
-    r = subprocess.run(
-        torchrun_cmd(str(script), nproc=2), capture_output=True, text=True, timeout=150, cwd=REPO
-    )
-    seconds = time.perf_counter() - t0
+    r = run_torchrun(str(script), nproc=2, cwd=REPO)
     assert r.returncode != 0
+    # Rank 1 ends with rank 0's failure and code, not with its own 120 s timeout (exit 4).
     assert "[rank 1] error: rank 0 failed: rank 0 refuses" in r.stderr, r.stderr[-3000:]
     assert "exitcode  : 3" in r.stderr or "exitcode: 3" in r.stderr, r.stderr[-3000:]
-    assert seconds < 60, f"rank 1 took {seconds:.0f}s to hear of rank 0's failure"
+    assert "timed out" not in r.stderr
 
 
 def test_a_second_connection_sees_the_same_keys_for_a_job_of_one_process() -> None:

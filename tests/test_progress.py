@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_server import Behaviour, FakeServer, free_port, torchrun_cmd
+from fake_server import Behaviour, FakeServer, torchrun_cmd
 from pty_run import run_on_pty
 from rich.console import Console
 
@@ -217,8 +217,8 @@ def test_the_update_counts_a_bucket_once_the_worker_loaded_it() -> None:
 def test_rank_0_sums_the_node_through_the_store() -> None:
     from torch.distributed import TCPStore
 
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    # Port 0: the store binds a free port itself (one found free could be taken meanwhile).
+    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
 
     class Job:
         def __init__(self, s: Any) -> None:

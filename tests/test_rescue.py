@@ -9,6 +9,7 @@ import threading
 import time
 
 import zmq
+from conftest import wait_until
 
 from ckptctl.pipeline.parameter_server import RESCUE_PREFIX, ReplyWatchingSocket, rescue
 
@@ -31,8 +32,9 @@ def test_rescue_unblocks_a_sender_whose_peer_never_came() -> None:
     seen: dict = {}
     ps = threading.Thread(target=_ps_side, args=(ctx, address, seen), daemon=True)
     ps.start()
-    time.sleep(0.3)
-    assert ps.is_alive() and not seen["socket"].handle_sent.is_set()  # stuck, as in real life
+    # The handle is on its way and nobody takes it: the sender is stuck, as in real life.
+    wait_until(lambda: "socket" in seen and seen["socket"].handle is not None, what="the send")
+    assert ps.is_alive() and not seen["socket"].handle_sent.is_set()
     assert seen["socket"].endpoint == address
     helper = rescue(address, "HTTP 400: dp_size must be 1", timeout_s=5)
     ps.join(timeout=10)
@@ -45,7 +47,7 @@ def test_rescue_unblocks_a_sender_whose_peer_never_came() -> None:
 
 def test_rescue_gives_up_quietly_when_nobody_is_there() -> None:
     helper = rescue(f"ipc://@ckptctl-nobody-{os.getpid()}.sock", "x", timeout_s=0.5)
-    helper.join(timeout=5)
+    helper.join(timeout=60)  # (a safety net: it gives up after its own 0.5 s)
     assert not helper.is_alive()
 
 
@@ -79,8 +81,8 @@ def _send_handle_and_answer(peer_reply: bytes | None) -> list[tuple]:
     watched = ReplyWatchingSocket(sock, timeout_ms=20_000)
     sender = threading.Thread(target=watched.send_pyobj, args=(_cuda_handle(),), daemon=True)
     sender.start()
-    time.sleep(0.2)
-    assert watched.handle is not None and not _FakeCudaStorage.released  # nothing before
+    wait_until(lambda: watched.handle is not None, what="the send")
+    assert not _FakeCudaStorage.released  # nothing before
     if peer_reply is None:
         helper = rescue(address, "refused", timeout_s=5)
     else:

@@ -78,7 +78,7 @@ def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
 
         stop = run_script("stop", "--control-socket", sock, timeout=30)
         assert stop.returncode == 0, stop.stderr
-        out, err = job.communicate(timeout=30)
+        out, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
             job.kill()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 from ckpt_factory import MALFORMED, write_sparse_checkpoint
 from conftest import assert_failure_document
+from fake_server import free_master_port
 from model_shapes import qwen3_8b
 from typer.testing import CliRunner
 
@@ -232,12 +232,6 @@ def test_dry_run_does_not_import_torch() -> None:
     assert json.loads(done.stdout)["world_size"] == 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ["--no-python", "-m"])
 def test_torchrun_two_ranks_print_one_plan(launch: str) -> None:
@@ -246,7 +240,7 @@ def test_torchrun_two_ranks_print_one_plan(launch: str) -> None:
     program = [script()] if launch == "--no-python" else ["ckptctl"]
     cmd = [
         str(torchrun if torchrun.exists() else "torchrun"),
-        *("--nproc-per-node", "2", "--master-port", str(free_port()), launch),
+        *("--nproc-per-node", "2", "--master-port", str(free_master_port()), launch),
         *program,
         *dry_run("--checkpoint-path", str(TINY), "--json", tp=2),
     ]

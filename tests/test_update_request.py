@@ -6,12 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from fake_server import Behaviour, FakeServer, free_port
+from fake_server import Behaviour, FakeServer
 
 from ckptctl.server import ServerAddress, UpdateRefused, push_update
 
@@ -111,15 +110,12 @@ def test_unix_socket(short_tmp: Path) -> None:
         assert "completed" in _push(s)
 
 
-def test_timeout_and_refused_connection_raise_http_errors() -> None:
-    with FakeServer(Behaviour(mode="hang")) as s:
-        t0 = time.monotonic()
-        with pytest.raises(httpx.TimeoutException):
-            _push(s, timeout=0.5)
-        assert time.monotonic() - t0 < 3
+def test_timeout_and_refused_connection_raise_http_errors(refused_endpoint: str) -> None:
+    with FakeServer(Behaviour(mode="hang")) as s, pytest.raises(httpx.TimeoutException):
+        _push(s, timeout=0.5)  # (a hung server: only the timeout can end the request)
     with pytest.raises(httpx.ConnectError):
         push_update(
-            ServerAddress(f"http://127.0.0.1:{free_port()}"),
+            ServerAddress(refused_endpoint),
             "sglang",
             HANDLES,
             weight_version=None,
@@ -133,11 +129,15 @@ _RANK_SCRIPT = textwrap.dedent(
     """
     import sys, threading, time
     from ckptctl.launch import launch_info
+    from ckptctl.pipeline import stages
     from ckptctl.pipeline.coordination import Watchdog
     from ckptctl.pipeline.groups import ServerTargets, assign_group
     from ckptctl.pipeline.stages import ServerRequest
 
     endpoint, engine, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    # How long the transfer may take to end once the server said done: 15 s in the product,
+    # shorter here, where no transfer ever ends (the answer-without-IPC case).
+    stages.AFTER_ANSWER_GRACE_S = 1.0
     assignment = assign_group(rank=0, world_size=1, local_world_size=1, parallel_size=1,
                               endpoints=[endpoint], uds=[])
     watchdog = Watchdog(launch_info(), None, timeout_s=timeout).start()
@@ -152,16 +152,16 @@ _RANK_SCRIPT = textwrap.dedent(
 
 
 def _run_rank(
-    endpoint: str, engine: str = "sglang", timeout: float = 30
-) -> tuple[subprocess.CompletedProcess[str], float]:
-    t0 = time.monotonic()
-    r = subprocess.run(
+    endpoint: str, engine: str = "sglang", timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    # (No wall-clock bound: the exit code and message say which event ended the rank; the
+    # watchdog's --timeout would end it with exit 4 and "timed out".)
+    return subprocess.run(
         [sys.executable, "-c", _RANK_SCRIPT, endpoint, engine, str(timeout)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=100,
     )
-    return r, time.monotonic() - t0
 
 
 def test_refused_update_ends_a_blocked_rank_with_exit_1_and_the_message() -> None:
@@ -171,30 +171,28 @@ def test_refused_update_ends_a_blocked_rank_with_exit_1_and_the_message() -> Non
             update_message="IPC weight update failed: ImportError checkpoint_engine",
         )
     ) as s:
-        r, took = _run_rank(s.endpoint)
+        r = _run_rank(s.endpoint)
     assert r.returncode == 1, r.stderr
     assert "refused the update: HTTP 400: IPC weight update failed: ImportError" in r.stderr
-    assert took < 10
     assert "Traceback" not in r.stderr
 
 
-def test_server_down_ends_a_blocked_rank() -> None:
-    r, took = _run_rank(f"http://127.0.0.1:{free_port()}")
+def test_server_down_ends_a_blocked_rank(refused_endpoint: str) -> None:
+    r = _run_rank(refused_endpoint)
     assert r.returncode == 1 and "connection refused" in r.stderr
-    assert took < 10
 
 
 def test_server_that_answers_success_without_connecting_is_caught() -> None:
     # The "answers 200 without ever connecting to the IPC socket" case that hangs the seed script.
     with FakeServer(Behaviour()) as s:
-        r, took = _run_rank(s.endpoint)
+        r = _run_rank(s.endpoint)
     assert r.returncode == 1
     assert "never took the weights over IPC" in r.stderr
-    assert took < 25
+    assert [q["status"] for q in s.behaviour.requests] == [200]  # it did answer success
 
 
 def test_server_that_never_answers_is_bounded_by_timeout() -> None:
     with FakeServer(Behaviour(mode="hang")) as s:
-        r, took = _run_rank(s.endpoint, timeout=2)
+        r = _run_rank(s.endpoint, timeout=2)
     assert r.returncode == 4, r.stderr
-    assert took < 8
+    assert "timed out after 2s" in r.stderr  # (the watchdog or the request: both say so)

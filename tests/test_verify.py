@@ -201,11 +201,8 @@ def test_an_oversized_answer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_a_server_that_never_answers_ends_at_the_deadline() -> None:
-    with FakeServer(Behaviour(mode="hang")) as s:
-        t0 = time.monotonic()
-        with pytest.raises(DeadlineExceeded):
-            probe(_checker(s, seconds=1.0))
-    assert time.monotonic() - t0 < 30
+    with FakeServer(Behaviour(mode="hang")) as s, pytest.raises(DeadlineExceeded):
+        probe(_checker(s, seconds=1.0))  # (only the deadline can end a call to a hung server)
 
 
 @pytest.mark.parametrize(
