@@ -88,6 +88,7 @@ def _torchrun(
     master_port: int | None = None,
     wait: bool = True,
 ) -> Any:
+    master_port = master_port or free_master_port()
     cmd = torchrun_cmd(
         "--no-python", "ckptctl", "update", *args,
         nproc=nproc, nnodes=nnodes, node_rank=node_rank, port=master_port,
@@ -101,6 +102,7 @@ def _torchrun(
         env=env,
         start_new_session=True,
     )
+    proc.master_port = master_port  # type: ignore[attr-defined] - names this job's ranks
     if not wait:
         return proc
     return _finish(proc, timeout)
@@ -119,13 +121,15 @@ def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str,
 
 def _kill_tree(proc: subprocess.Popen[str]) -> None:
     """torchrun starts its workers in their own sessions: kill them by environment too."""
-    for pid in _ckptctl_pids():
+    for pid in _ckptctl_pids(master_port=proc.master_port):  # type: ignore[attr-defined]
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _ckptctl_pids(rank: int | None = None) -> list[int]:
+def _ckptctl_pids(rank: int | None = None, *, master_port: int) -> list[int]:
+    """The ranks of the job on `master_port` (GPU tests run four at a time: never another
+    test's ranks - a search by rank alone once killed the rank of a test running beside)."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -139,6 +143,7 @@ def _ckptctl_pids(rank: int | None = None) -> list[int]:
             b"ckptctl" in cmd
             and b"update" in cmd
             and b"torch.distributed.run" not in cmd
+            and f"MASTER_PORT={master_port}".encode() in env
             and (rank is None or f"RANK={rank}".encode() in env)
         ):
             pids.append(int(d.name))
@@ -471,7 +476,7 @@ def test_a_rank_killed_mid_update_ends_the_job(sharded: Path) -> None:
         deadline = time.monotonic() + 90
         while not rx.behaviour.requests and time.monotonic() < deadline:
             time.sleep(0.2)
-        victims = _ckptctl_pids(rank=1)
+        victims = _ckptctl_pids(rank=1, master_port=proc.master_port)
         assert victims, "rank 1 not found"
         t_kill = time.monotonic()
         for pid in victims:
