@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptctl.bounded_http import ResponseTooLarge
 from ckptctl.defaults import API_KEY_ENV
 from ckptctl.errors import DeadlineExceeded, InvalidInput, OperationFailed
 from ckptctl.server import ServerAddress, describe_failure, make_client
@@ -127,15 +128,16 @@ class Checker:
         import httpx
 
         try:
-            with (
-                # (The client's own cap is only the backstop: _read refuses first, and says so.)
-                make_client(
-                    self.address, timeout=left, max_response_bytes=2 * MAX_ANSWER_BYTES
-                ) as client,
-                client.stream("POST", CHECKER_PATH, json={"action": action, **fields}) as response,
-            ):
-                body = self._read(response, action)
-                status = response.status_code
+            # The client ends the exchange at the deadline and reads at most MAX_ANSWER_BYTES.
+            with make_client(
+                self.address, timeout=left, max_response_bytes=MAX_ANSWER_BYTES
+            ) as client:
+                response = client.post(CHECKER_PATH, json={"action": action, **fields})
+        except ResponseTooLarge:
+            raise OperationFailed(
+                f"{self.where} answered {action!r} with more than "
+                f"{MAX_ANSWER_BYTES >> 20} MiB: not a weights checker ckptctl knows"
+            ) from None
         except httpx.TimeoutException:
             raise DeadlineExceeded(
                 f"{self.where} did not answer the weights checker's {action!r} in time"
@@ -145,31 +147,17 @@ class Checker:
                 f"weights checker request {action!r} to {self.where} failed: "
                 f"{describe_failure(exc, self.address, left)}"
             ) from None
+        status = response.status_code
         if status in (401, 403):
             raise OperationFailed(
                 f"{self.where} refused the API key on {CHECKER_PATH} (HTTP {status}): pass "
                 f"--api-key or set {API_KEY_ENV} (SGLang checks --admin-api-key first)"
             )
         try:
-            doc = json.loads(body)
+            doc = json.loads(response.content)
         except (ValueError, UnicodeDecodeError):
             doc = None
         return Answer(status, doc if isinstance(doc, dict) else None)
-
-    def _read(self, response: Any, action: str) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        for chunk in response.iter_bytes():
-            size += len(chunk)
-            if size > MAX_ANSWER_BYTES:
-                raise OperationFailed(
-                    f"{self.where} answered {action!r} with more than "
-                    f"{MAX_ANSWER_BYTES >> 20} MiB: not a weights checker ckptctl knows"
-                )
-            if time.monotonic() > self.deadline:
-                raise DeadlineExceeded(f"{self.where} is still sending its {action!r} answer")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def require(self, action: str, **fields: Any) -> Answer:
         """Ask; anything but success is a failure that quotes the server."""
