@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import run_script
+from conftest import run_script, wait_until
 from fake_server import Behaviour, FakeServer
 
 from ckptctl.bounded_http import MAX_RESPONSE_BYTES, ResponseTooLarge, bounded_client, deadline
@@ -55,16 +55,9 @@ def _ended(call: Callable[[], Any]) -> Any:
     return box.get("error", box.get("value"))
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while not condition() and time.monotonic() < end:
-        time.sleep(0.05)
-    return condition()
-
-
-def _saw_hang_up(server: FakeServer) -> bool:
+def _wait_for_hang_up(server: FakeServer) -> None:
     """A trickling server notices the client gone at its next byte."""
-    return _wait_for(lambda: server.behaviour.disconnects >= 1)
+    wait_until(lambda: server.behaviour.disconnects >= 1, 20, "the client to hang up")
 
 
 def _bounded_flood(server: FakeServer) -> None:
@@ -86,7 +79,7 @@ def test_wait_ready_ends_at_its_timeout_with_exit_4(mode: str) -> None:
         assert doc["ready"] is False
         if mode in TRICKLES:
             assert "no answer within" in doc["last_status"]
-            assert _saw_hang_up(s)
+            _wait_for_hang_up(s)
         else:
             assert "more than 1 MiB" in doc["last_status"]
             _bounded_flood(s)
@@ -102,7 +95,7 @@ def test_wait_ready_over_a_unix_socket_is_bounded_too(short_tmp: Path) -> None:
         )  # fmt: skip
         assert r.returncode == 4, r.stderr
         assert "no answer within" in r.stderr
-        assert _saw_hang_up(s)
+        _wait_for_hang_up(s)
 
 
 def test_a_trickle_longer_than_the_attempt_timeout_is_one_failed_attempt() -> None:
@@ -135,7 +128,7 @@ def test_the_update_request_is_bounded(mode: str, engine: str) -> None:
         )  # fmt: skip
         if mode in TRICKLES:
             assert isinstance(outcome, httpx.TimeoutException), outcome
-            assert _saw_hang_up(s)
+            _wait_for_hang_up(s)
         else:
             assert isinstance(outcome, ResponseTooLarge), outcome
             _bounded_flood(s)
@@ -235,7 +228,7 @@ def test_serve_a_trickling_server_fails_only_that_push(short_tmp: Path) -> None:
             push = ("push", "--control-socket", sock, "--checkpoint-path", str(TINY))
             slow = run_script(*push, timeout=GUARD_S)
             assert slow.returncode == 4, slow.stderr
-            assert _saw_hang_up(s)
+            _wait_for_hang_up(s)
             s.behaviour.mode = None
             again = run_script(*push, "--weight-version", "v2", timeout=GUARD_S)
             assert again.returncode == 0, again.stderr
