@@ -10,10 +10,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
-from fake_server import Behaviour, FakeServer, reserved_port
+from fake_server import Behaviour, FakeServer, reserved_port, torchrun_job
 from typer.testing import CliRunner
 
 from ckptctl.cli import app
@@ -77,6 +78,20 @@ def run_script(
         env=full_env,
         **kw,
     )
+
+
+CPU_PS_RANK = str(Path(__file__).with_name("cpu_ps_rank.py"))
+
+
+def cpu_serve_job(
+    endpoint: str, *flags: str, env: dict[str, str] | None = None
+) -> AbstractContextManager[subprocess.Popen[str]]:
+    """A 2-rank `ckptctl serve` job under a real torchrun, feeding the TP2 server at
+    `endpoint`, with only checkpoint-engine's ParameterServer stood in (cpu_ps_rank.py)."""
+    return torchrun_job(
+        CPU_PS_RANK, "serve", "--inference-parallel-size", "2", "--endpoint", endpoint, *flags,
+        env=env,
+    )  # fmt: skip
 
 
 def _cuda_available() -> bool:

@@ -216,29 +216,26 @@ def test_one_deadline_bounds_several_requests_together() -> None:
 def test_serve_a_trickling_server_fails_only_that_push(short_tmp: Path) -> None:
     """A 2-rank serve job (ParameterServer stood in): the server trickles its answer to the
     update, the push fails at --push-timeout with exit 4, and the job serves the next push."""
-    from conftest import wait_for_path
-    from test_update_orchestration import _serve_job
+    from conftest import cpu_serve_job, wait_for_path
 
     sock = str(short_tmp / "serve.sock")
     paths = ("/update_weights_from_ipc",)
-    with FakeServer(Behaviour(mode="trickle_body", mode_paths=paths)) as s:
-        job = _serve_job(sock, s.endpoint, "--push-timeout", "5")
-        try:
-            assert wait_for_path(sock)
-            push = ("push", "--control-socket", sock, "--checkpoint-path", str(TINY))
-            slow = run_script(*push, timeout=GUARD_S)
-            assert slow.returncode == 4, slow.stderr
-            _wait_for_hang_up(s)
-            s.behaviour.mode = None
-            again = run_script(*push, "--weight-version", "v2", timeout=GUARD_S)
-            assert again.returncode == 0, again.stderr
-            assert s.behaviour.weight_version == "v2"
-            with bounded_client("http://serve", uds=sock, timeout=10) as client:
-                client.post("/stop")
-            _, err = job.communicate(timeout=30)
-        finally:
-            if job.poll() is None:
-                job.kill()
+    with (
+        FakeServer(Behaviour(mode="trickle_body", mode_paths=paths)) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "5") as job,
+    ):
+        assert wait_for_path(sock)
+        push = ("push", "--control-socket", sock, "--checkpoint-path", str(TINY))
+        slow = run_script(*push, timeout=GUARD_S)
+        assert slow.returncode == 4, slow.stderr
+        _wait_for_hang_up(s)
+        s.behaviour.mode = None
+        again = run_script(*push, "--weight-version", "v2", timeout=GUARD_S)
+        assert again.returncode == 0, again.stderr
+        assert s.behaviour.weight_version == "v2"
+        with bounded_client("http://serve", uds=sock, timeout=10) as client:
+            client.post("/stop")
+        _, err = job.communicate(timeout=30)
     assert job.returncode == 0, err
 
 
