@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,19 @@ def wait_for_path(path: str, timeout: float = 60) -> bool:
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
     return os.path.exists(path)
+
+
+def raw_exchange(path: str, request: bytes, *, timeout: float = 30) -> bytes:
+    """Send `request` as is over the Unix socket at `path` and read the answer to its end
+    (a control socket answers once and closes): for requests no HTTP client would send."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
 
 
 def read_until(proc: subprocess.Popen, needle: str, timeout: float = 60) -> str:  # type: ignore[type-arg]

@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
-from conftest import run_script, wait_for_path
+from conftest import raw_exchange, run_script, wait_for_path
 from fake_server import torchrun_job
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
@@ -211,30 +211,17 @@ def _script(*args: str) -> list[str]:
     return [ckptctl_script(), *args]
 
 
-def _raw(sock: str, request: bytes) -> bytes:
-    import socket
-
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(30)
-        s.connect(sock)
-        s.sendall(request)
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    return data
-
-
 def test_malformed_requests_get_an_answer_and_the_job_serves_on(short_tmp: Path) -> None:
     """Issue 14 item 7: a bad Content-Length is a 400, a huge one a 413; never a traceback."""
     sock = str(short_tmp / "serve.sock")
     with _job(sock) as job:
         assert wait_for_path(sock)
-        bad = _raw(sock, b"POST /push HTTP/1.1\r\nContent-Length: abc\r\n\r\n")
+        bad = raw_exchange(sock, b"POST /push HTTP/1.1\r\nContent-Length: abc\r\n\r\n")
         assert bad.startswith(b"HTTP/1.1 400 "), bad
         assert b"Content-Length" in bad
-        huge = _raw(sock, b"POST /push HTTP/1.1\r\nContent-Length: 100000000000000\r\n\r\n")
+        huge = raw_exchange(sock, b"POST /push HTTP/1.1\r\nContent-Length: 100000000000000\r\n\r\n")
         assert huge.startswith(b"HTTP/1.1 413 "), huge
-        notjson = _raw(sock, b"POST /push HTTP/1.1\r\nContent-Length: 3\r\n\r\n{{{")
+        notjson = raw_exchange(sock, b"POST /push HTTP/1.1\r\nContent-Length: 3\r\n\r\n{{{")
         assert notjson.startswith(b"HTTP/1.1 400 "), notjson
         status = run_script("status", "--control-socket", sock, "--json", timeout=30)
         assert status.returncode == 0 and json.loads(status.stdout)["commands"] == 0
