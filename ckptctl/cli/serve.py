@@ -34,6 +34,7 @@ from ckptctl.cli._options import (
     SplitOpt,
     UdsListOpt,
     VerboseOpt,
+    VerifyOpt,
     WeightVersionOpt,
     at_least,
 )
@@ -184,6 +185,7 @@ def push_command(
         ),
     ] = None,
     consume_shm_files: ConsumeShmOpt = False,
+    verify: VerifyOpt = False,
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
@@ -203,7 +205,7 @@ def push_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Push a checkpoint through a running `ckptctl serve` job on this node ."""
+    """Push a checkpoint through a running `ckptctl serve` job on this node."""
     out = Output(json_mode=json_output, quiet=quiet)
     path = _find(control_socket, endpoint, uds, wait)
     doc = _call(
@@ -215,6 +217,7 @@ def push_command(
             "weight_version": weight_version,
             "checkpoint_name": checkpoint_name,
             "consume_shm_files": consume_shm_files,
+            "verify": verify,
         },
         timeout,
     )
@@ -228,7 +231,8 @@ def push_command(
         raise (DeadlineExceeded if code == ExitCode.TIMEOUT else OperationFailed)(error)
     out.log(
         f"pushed {checkpoint_path} (push {doc['seq']}, {doc.get('seconds') or 0:.2f}s; "
-        f"server weights: {doc.get('server_weights')})"
+        f"server weights: {doc.get('server_weights')}"
+        + (f"; verified: {doc['verified']})" if doc.get("verified") else ")")
     )
 
 
@@ -241,7 +245,7 @@ def status_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Show what a running `ckptctl serve` job on this node holds and did last ."""
+    """Show what a running `ckptctl serve` job on this node holds and did last."""
     out = Output(json_mode=json_output, quiet=quiet)
     path = _find(control_socket, endpoint, uds, wait)
     doc = _call(path, "GET", "/status", None, 10.0)
