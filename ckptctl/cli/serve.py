@@ -40,7 +40,14 @@ from ckptctl.cli._options import (
 )
 from ckptctl.cli._output import Output
 from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
-from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed, UsageError
+from ckptctl.errors import (
+    DeadlineExceeded,
+    ExitCode,
+    InvalidInput,
+    OperationFailed,
+    UsageError,
+    redact,
+)
 
 
 def _which_job(name: str, metavar: str, envvar: str, help: str) -> Any:
@@ -331,7 +338,7 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
     ]
     targets = doc.get("targets") or []
     if targets:
-        lines.append(f"servers: {', '.join(targets)}")
+        lines.append(f"servers: {redact(', '.join(targets))}")
     weights = doc.get("weights") or {}
     state = doc.get("server_weights")
     if state is None:
