@@ -64,7 +64,7 @@ def read_abort(raw: bytes | str) -> dict[str, Any]:
     return {
         "code": code if type(code) is int and code in FAILURE_CODES else int(ExitCode.FAILED),
         "rank": rank if type(rank) is int and rank >= 0 else "?",
-        "message": one_line(message if isinstance(message, str) else "") or "no reason given",
+        "message": one_line(message if isinstance(message, str) else "", 2000) or "no reason given",
     }
 
 
