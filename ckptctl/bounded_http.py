@@ -58,6 +58,19 @@ class ResponseTooLarge(httpx.TransportError):
         self.limit = limit
 
 
+class EncodedResponse(httpx.TransportError):
+    """The server compressed its answer. The cap counts bytes on the wire, and httpx would
+    decode them without one: a few kB of gzip inside gzip decode to gigabytes (found in an
+    adversarial review). SGLang and vLLM never compress; we ask for plain answers and read
+    nothing else."""
+
+    def __init__(self, encoding: str, request: httpx.Request | None = None) -> None:
+        super().__init__(
+            f"the answer is compressed (Content-Encoding: {encoding})", request=request
+        )
+        self.encoding = encoding
+
+
 def _left(timeout: float | None, expired: type[Exception]) -> float | None:
     """The timeout for one socket operation: the operation's own, clipped to the deadline."""
     end = _deadline.get()
@@ -241,6 +254,10 @@ class BoundedTransport(httpx.BaseTransport):
         if length.strip().isdigit() and int(length) > self._limit:
             body.close()
             raise ResponseTooLarge(self._limit, request)
+        encoding = response.headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            body.close()
+            raise EncodedResponse(encoding[:100], request)
         return response
 
     def close(self) -> None:
@@ -260,7 +277,8 @@ def bounded_client(
     loopback or Unix-socket call."""
     return httpx.Client(
         base_url=base_url,
-        headers=headers,
+        # Plain answers only (EncodedResponse): httpx would ask for gzip and brotli by default.
+        headers={"Accept-Encoding": "identity", **(headers or {})},
         timeout=timeout,
         transport=BoundedTransport(uds=uds, max_response_bytes=max_response_bytes),
         trust_env=False,

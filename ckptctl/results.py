@@ -77,7 +77,8 @@ def write_failure(code: int, message: str) -> None:
     fields = dict(_kept)
     if PARTIAL_WEIGHTS_NOTE in message:
         fields["server_weights"] = "partial"
-    _emit(envelope(fields, code=code, error=message))
+    # A failure is never "ok": whatever code reached here, the document says it failed.
+    _emit(envelope(fields, code=int(code) or 1, error=message))
 
 
 def _emit(doc: dict[str, Any]) -> None:

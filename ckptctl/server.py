@@ -15,7 +15,12 @@ from typing import Any, Literal
 
 import httpx
 
-from ckptctl.bounded_http import MAX_RESPONSE_BYTES, ResponseTooLarge, bounded_client
+from ckptctl.bounded_http import (
+    MAX_RESPONSE_BYTES,
+    EncodedResponse,
+    ResponseTooLarge,
+    bounded_client,
+)
 from ckptctl.defaults import API_KEY_ENV, DEFAULT_ENDPOINT
 from ckptctl.errors import redact, register_secret, register_url_secrets
 
@@ -44,6 +49,9 @@ CONTRACTS: dict[str, EngineContract] = {
 }
 
 
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # what an Authorization header's token may hold
+
+
 @dataclass(frozen=True)
 class ServerAddress:
     endpoint: str = DEFAULT_ENDPOINT
@@ -54,6 +62,14 @@ class ServerAddress:
         # From here on, nothing ckptctl prints shows the key or the endpoint's password.
         register_secret(self.api_key)
         register_url_secrets(self.endpoint)
+        if self.api_key and not _TOKEN.fullmatch(self.api_key):
+            from ckptctl.errors import UsageError
+
+            # (A line break in it failed every request; a non-ASCII one ended in a traceback.)
+            raise UsageError(
+                "the API key (--api-key or CKPTCTL_API_KEY) must be printable ASCII without "
+                "spaces or line breaks, as an HTTP Bearer token is"
+            )
 
     def describe(self) -> str:
         """The endpoint for messages, without the password of its user info."""
@@ -108,6 +124,10 @@ def describe_failure(exc: BaseException, address: ServerAddress, timeout: float)
     if isinstance(exc, ResponseTooLarge):
         limit = f"{exc.limit >> 20} MiB" if exc.limit % (1 << 20) == 0 else f"{exc.limit} bytes"
         return f"answered more than {limit}, more than any answer it should give"
+    if isinstance(exc, EncodedResponse):
+        return (
+            f"answered compressed (Content-Encoding: {exc.encoding}), which ckptctl does not read"
+        )
     if address.uds and isinstance(exc, httpx.ConnectError) and not os.path.exists(address.uds):
         return f"no Unix socket at {address.uds}"
     if isinstance(exc, httpx.ConnectTimeout):

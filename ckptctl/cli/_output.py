@@ -66,4 +66,6 @@ class Output:
         wrap: text wraps at the console's width (80 when stdout is not a terminal); by
         default a long line (a path) stays whole, for whoever greps the output."""
         if self.is_primary and not self.json_mode:
+            if isinstance(renderable, str):
+                renderable = redact(renderable)  # (a URL's password in `status`, say)
             self.out.print(renderable, soft_wrap=not wrap)

@@ -34,12 +34,20 @@ from ckptctl.cli._options import (
     SplitOpt,
     UdsListOpt,
     VerboseOpt,
+    VerifyOpt,
     WeightVersionOpt,
     at_least,
 )
 from ckptctl.cli._output import Output
 from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
-from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed, UsageError
+from ckptctl.errors import (
+    DeadlineExceeded,
+    ExitCode,
+    InvalidInput,
+    OperationFailed,
+    UsageError,
+    redact,
+)
 
 
 def _which_job(name: str, metavar: str, envvar: str, help: str) -> Any:
@@ -184,6 +192,7 @@ def push_command(
         ),
     ] = None,
     consume_shm_files: ConsumeShmOpt = False,
+    verify: VerifyOpt = False,
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
@@ -203,7 +212,7 @@ def push_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Push a checkpoint through a running `ckptctl serve` job on this node ."""
+    """Push a checkpoint through a running `ckptctl serve` job on this node."""
     out = Output(json_mode=json_output, quiet=quiet)
     path = _find(control_socket, endpoint, uds, wait)
     doc = _call(
@@ -215,6 +224,7 @@ def push_command(
             "weight_version": weight_version,
             "checkpoint_name": checkpoint_name,
             "consume_shm_files": consume_shm_files,
+            "verify": verify,
         },
         timeout,
     )
@@ -228,7 +238,8 @@ def push_command(
         raise (DeadlineExceeded if code == ExitCode.TIMEOUT else OperationFailed)(error)
     out.log(
         f"pushed {checkpoint_path} (push {doc['seq']}, {doc.get('seconds') or 0:.2f}s; "
-        f"server weights: {doc.get('server_weights')})"
+        f"server weights: {doc.get('server_weights')}"
+        + (f"; verified: {doc['verified']})" if doc.get("verified") else ")")
     )
 
 
@@ -241,7 +252,7 @@ def status_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Show what a running `ckptctl serve` job on this node holds and did last ."""
+    """Show what a running `ckptctl serve` job on this node holds and did last."""
     out = Output(json_mode=json_output, quiet=quiet)
     path = _find(control_socket, endpoint, uds, wait)
     doc = _call(path, "GET", "/status", None, 10.0)
@@ -327,7 +338,7 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
     ]
     targets = doc.get("targets") or []
     if targets:
-        lines.append(f"servers: {', '.join(targets)}")
+        lines.append(f"servers: {redact(', '.join(targets))}")
     weights = doc.get("weights") or {}
     state = doc.get("server_weights")
     if state is None:

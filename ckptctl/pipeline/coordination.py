@@ -44,6 +44,30 @@ def _store_prefix() -> str:
     return f"ckptctl/{run_id}/{restart}/"
 
 
+FAILURE_CODES = frozenset({ExitCode.FAILED, ExitCode.INVALID_INPUT, ExitCode.TIMEOUT, 130})
+
+
+def read_abort(raw: bytes | str) -> dict[str, Any]:
+    """An abort document as read from the store, which anyone who reaches its port can write:
+    trusted for no more than "the job failed". A code that is not a failure code becomes 1 (a
+    forged 0 once ended `update` with exit 0 and `"ok": true`), the rank an int, the message
+    one clean line (no terminal escapes reach the operator's screen)."""
+    from ckptctl.server import one_line
+
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict):
+        doc = {"message": "an unreadable abort notice in the job's store"}
+    code, rank, message = doc.get("code"), doc.get("rank"), doc.get("message")
+    return {
+        "code": code if type(code) is int and code in FAILURE_CODES else int(ExitCode.FAILED),
+        "rank": rank if type(rank) is int and rank >= 0 else "?",
+        "message": one_line(message if isinstance(message, str) else "", 2000) or "no reason given",
+    }
+
+
 class Coordinator:
     """Cross-rank signals kept in a torch.distributed store."""
 
@@ -126,7 +150,7 @@ class Coordinator:
         if not self.store.check(["abort"]):
             return None
         raw = self.store.get("abort")
-        return json.loads(raw) if raw else None
+        return read_abort(raw) if raw else None
 
     # -- a clean, job-wide stop (serving ends) ------------------------------------------------------
     def publish_stop(self, reason: str) -> None:
@@ -330,6 +354,7 @@ class Watchdog:
             if self._exiting:
                 return
             self._exiting = True
+        code = int(code) or ExitCode.FAILED  # this path only ever ends a job that failed
         print_error(message)  # first: torchrun may SIGKILL us soon after a peer exits
         results.write_failure(code, message)
         if sys.stderr.isatty():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,10 +92,19 @@ def check_in_shm(path: str) -> None:
             raise InvalidInput(f"{path}: belongs to another user; {drop}")
         folder = os.path.dirname(real)
         while folder != shm:
-            if os.lstat(folder).st_uid not in (uid, 0):
+            st = os.lstat(folder)
+            if st.st_uid not in (uid, 0):
                 raise InvalidInput(
                     f"{path}: its folder {folder} belongs to another user, who could swap the "
                     f"file before it is consumed; {drop}"
+                )
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                # (mkdir under umask 000): anyone may rename what is in it, a subfolder for a
+                # symlink to elsewhere, between this check and checkpoint-engine's os.remove.
+                raise InvalidInput(
+                    f"{path}: its folder {folder} is writable by other users (mode "
+                    f"{stat.S_IMODE(st.st_mode):o}), who could swap what is in it before it is "
+                    f"consumed: chmod go-w it; {drop}"
                 )
             folder = os.path.dirname(folder)
     except OSError as exc:

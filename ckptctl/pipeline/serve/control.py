@@ -383,7 +383,9 @@ def _bind_private(path: str) -> socket.socket:
     if check_socket_path(path):
         os.unlink(path)  # a job of ours that is gone left it
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o077)  # never a moment in which the socket is open to others
+    # The socket is made 0600 as it is bound: never a moment in which it is open to others,
+    # and no chmod after, which would follow a symlink swapped in at `path` meanwhile.
+    old = os.umask(0o177)
     try:
         sock.bind(path)
     except OSError as exc:
@@ -397,7 +399,6 @@ def _bind_private(path: str) -> socket.socket:
         ) from None
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
     sock.listen(64)
     return sock
 

@@ -42,7 +42,13 @@ Executor = Callable[[Job, dict[str, Any]], dict[str, Any]]
 
 TICK_S = 0.1
 MAX_QUEUED = 16
-PUSH_FIELDS = {"checkpoint_path", "checkpoint_name", "weight_version", "consume_shm_files"}
+PUSH_FIELDS = {
+    "checkpoint_path",
+    "checkpoint_name",
+    "weight_version",
+    "consume_shm_files",
+    "verify",
+}
 
 
 def utc_now() -> str:
@@ -104,6 +110,9 @@ def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[
         "finished_at": utc_now(),
         "seconds": max((float(r.get("seconds") or 0) for r in ranks), default=0.0),
         "total_bytes": max(sizes) if sizes else None,
+        # push --verify: what was proven and how (rank 0 holds the whole answer).
+        "verified": ranks[0].get("verified") if first is None else None,
+        "verification": ranks[0].get("verification") if first is None else None,
         "ranks": ranks,
     }
 
@@ -229,6 +238,7 @@ class ServeLoop:
                 "checkpoint_name": doc.get("checkpoint_name"),
                 "weight_version": doc.get("weight_version"),
                 "consume_shm_files": bool(doc.get("consume_shm_files")),
+                "verify": bool(doc.get("verify")),
             }
             self._next_seq += 1
             pending = _Pending(command)
@@ -350,8 +360,9 @@ def _check_push(doc: Any) -> str | None:
         value = doc.get(key)
         if value is not None and (not isinstance(value, str) or len(value) > 1024):
             return f"{key} must be a string of at most 1024 characters"
-    if not isinstance(doc.get("consume_shm_files", False), bool):
-        return "consume_shm_files must be true or false"
+    for key in ("consume_shm_files", "verify"):
+        if not isinstance(doc.get(key, False), bool):
+            return f"{key} must be true or false"
     return None
 
 

@@ -156,6 +156,7 @@ class PushFailure:
 def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]) -> Executor:
     """One push: the stages of `update`, then the previous checkpoint is unregistered."""
     from ckptctl.pipeline import stages
+    from ckptctl.pipeline.verification import check_offers, check_weights, start_hashing
 
     def execute(job: Job, command: dict[str, Any]) -> dict[str, Any]:
         name = command.get("checkpoint_name") or f"push-{command['seq']}"
@@ -186,8 +187,13 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
         )
         stages.register_share(job, session, name, checkpoint, share, mode, reader)
         transfer_began = False
+        verified = None
         try:
             stages.wait_for_server(job, assignment, opts.servers.engine)
+            verification = None
+            if command.get("verify"):  # push --verify: before anything is pushed (exit 3)
+                verification = check_offers(job, assignment, round_trip=False)
+                start_hashing(job, session, name, verification)
             stages.gather_metas(job, session, name, reader)
             servers = opts.servers
             if command.get("weight_version") is not None:
@@ -222,6 +228,9 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
                 stages.verify_weight_version(
                     job, assignment, servers.engine, servers.weight_version
                 )
+            if verification is not None:
+                names = {t.name for t in checkpoint.tensors}
+                verified = check_weights(job, assignment, verification, names)
             # checkpoint-engine #106: its own barrier no longer waits after the first update.
             job.barrier("pushed")
         except BaseException as exc:
@@ -244,6 +253,8 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
             "total_bytes": checkpoint.total_bytes,
             "tensor_count": len(share.tensors),
             "pinned_pool_bytes": None if pool is None else pool.pinned_bytes,
+            "verified": verified["how"] if verified else None,
+            "verification": verified,
             "figures": job.figures(),
         }
 
