@@ -34,9 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptctl.bounded_http import ResponseTooLarge
 from ckptctl.defaults import API_KEY_ENV
 from ckptctl.errors import DeadlineExceeded, InvalidInput, OperationFailed
-from ckptctl.server import ServerAddress, describe_failure, make_client
+from ckptctl.server import ServerAddress, describe_failure, make_client, one_line
 
 CHECKER_PATH = "/weights_checker"
 # A checksum answer lists every parameter of every rank: about 1 MB for DeepSeek-V3 on TP8.
@@ -127,15 +128,16 @@ class Checker:
         import httpx
 
         try:
-            with (
-                # (The client's own cap is only the backstop: _read refuses first, and says so.)
-                make_client(
-                    self.address, timeout=left, max_response_bytes=2 * MAX_ANSWER_BYTES
-                ) as client,
-                client.stream("POST", CHECKER_PATH, json={"action": action, **fields}) as response,
-            ):
-                body = self._read(response, action)
-                status = response.status_code
+            # The client ends the exchange at the deadline and reads at most MAX_ANSWER_BYTES.
+            with make_client(
+                self.address, timeout=left, max_response_bytes=MAX_ANSWER_BYTES
+            ) as client:
+                response = client.post(CHECKER_PATH, json={"action": action, **fields})
+        except ResponseTooLarge:
+            raise OperationFailed(
+                f"{self.where} answered {action!r} with more than "
+                f"{MAX_ANSWER_BYTES >> 20} MiB: not a weights checker ckptctl knows"
+            ) from None
         except httpx.TimeoutException:
             raise DeadlineExceeded(
                 f"{self.where} did not answer the weights checker's {action!r} in time"
@@ -145,31 +147,17 @@ class Checker:
                 f"weights checker request {action!r} to {self.where} failed: "
                 f"{describe_failure(exc, self.address, left)}"
             ) from None
+        status = response.status_code
         if status in (401, 403):
             raise OperationFailed(
                 f"{self.where} refused the API key on {CHECKER_PATH} (HTTP {status}): pass "
                 f"--api-key or set {API_KEY_ENV} (SGLang checks --admin-api-key first)"
             )
         try:
-            doc = json.loads(body)
+            doc = json.loads(response.content)
         except (ValueError, UnicodeDecodeError):
             doc = None
         return Answer(status, doc if isinstance(doc, dict) else None)
-
-    def _read(self, response: Any, action: str) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        for chunk in response.iter_bytes():
-            size += len(chunk)
-            if size > MAX_ANSWER_BYTES:
-                raise OperationFailed(
-                    f"{self.where} answered {action!r} with more than "
-                    f"{MAX_ANSWER_BYTES >> 20} MiB: not a weights checker ckptctl knows"
-                )
-            if time.monotonic() > self.deadline:
-                raise DeadlineExceeded(f"{self.where} is still sending its {action!r} answer")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def require(self, action: str, **fields: Any) -> Answer:
         """Ask; anything but success is a failure that quotes the server."""
@@ -177,15 +165,9 @@ class Checker:
         if not answer.succeeded:
             raise OperationFailed(
                 f"{self.where} failed the weights checker's {action!r}: HTTP {answer.status}: "
-                f"{_clip(answer.message)}"
+                f"{one_line(answer.message)}"
             )
         return answer
-
-
-def _clip(text: str, limit: int = 300) -> str:
-    """Server text for one error line: printable (no terminal escapes), one line, bounded."""
-    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # -- what a server offers --------------------------------------------------------------------
@@ -203,7 +185,7 @@ def probe(checker: Checker) -> list[str]:
     if first.doc is None or "success" not in first.doc:
         raise OperationFailed(
             f"{checker.where} answered {CHECKER_PATH} with HTTP {first.status} and no "
-            f"SGLang answer ({_clip(first.message)}): not a weights checker ckptctl knows"
+            f"SGLang answer ({one_line(first.message)}): not a weights checker ckptctl knows"
         )
     if not first.unsupported:
         return [COMPARE_CHECKSUM, CHECKSUM, COMPARE]
@@ -215,7 +197,7 @@ def probe(checker: Checker) -> list[str]:
         return [CHECKSUM, COMPARE]
     raise OperationFailed(
         f"{checker.where} failed the weights checker's {CHECKSUM!r}: HTTP {second.status}: "
-        f"{_clip(second.message)}"
+        f"{one_line(second.message)}"
     )
 
 
@@ -327,14 +309,14 @@ def check_expected(checker: Checker, expected: dict[str, str]) -> None:
         names = disputed_names(answer, set(expected))
         what = (
             f"{len(names)} tensor(s) differ from what was sent: {_list(names)} "
-            f"(the server said: {_clip(answer.message, 200)})"
+            f"(the server said: {one_line(answer.message, 200)})"
             if names
-            else f"it disputes the checksums: {_clip(answer.message)}"
+            else f"it disputes the checksums: {one_line(answer.message)}"
         )
         raise OperationFailed(f"{checker.where} does not hold the checkpoint: {what}")
     raise OperationFailed(
         f"{checker.where} failed the weights checker's {COMPARE_CHECKSUM!r}: HTTP "
-        f"{answer.status}: {_clip(answer.message)}"
+        f"{answer.status}: {one_line(answer.message)}"
     )
 
 
@@ -360,7 +342,7 @@ def disputed_names(answer: Answer, known: set[str] | None = None) -> list[str]:
 
 
 def _list(names: Sequence[str]) -> str:
-    shown = ", ".join(_clip(n, 200) for n in names[:SHOWN_NAMES])
+    shown = ", ".join(one_line(n, 200) for n in names[:SHOWN_NAMES])
     more = len(names) - SHOWN_NAMES
     return shown + (f" and {more} more" if more > 0 else "")
 
@@ -490,5 +472,5 @@ def round_trip_compare(checker: Checker) -> None:
         )
     raise OperationFailed(
         f"{checker.where} failed the weights checker's 'compare': HTTP {answer.status}: "
-        f"{_clip(answer.message) or '(no message: was the snapshot lost?)'}"
+        f"{one_line(answer.message) or '(no message: was the snapshot lost?)'}"
     )

@@ -5,15 +5,17 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
-from fake_server import Behaviour, FakeServer, reserved_port
+from fake_server import Behaviour, FakeServer, reserved_port, torchrun_job
 from typer.testing import CliRunner
 
 from ckptctl.cli import app
@@ -79,6 +81,20 @@ def run_script(
     )
 
 
+CPU_PS_RANK = str(Path(__file__).with_name("cpu_ps_rank.py"))
+
+
+def cpu_serve_job(
+    endpoint: str, *flags: str, env: dict[str, str] | None = None
+) -> AbstractContextManager[subprocess.Popen[str]]:
+    """A 2-rank `ckptctl serve` job under a real torchrun, feeding the TP2 server at
+    `endpoint`, with only checkpoint-engine's ParameterServer stood in (cpu_ps_rank.py)."""
+    return torchrun_job(
+        CPU_PS_RANK, "serve", "--inference-parallel-size", "2", "--endpoint", endpoint, *flags,
+        env=env,
+    )  # fmt: skip
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -128,6 +144,19 @@ def wait_for_path(path: str, timeout: float = 60) -> bool:
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
     return os.path.exists(path)
+
+
+def raw_exchange(path: str, request: bytes, *, timeout: float = 30) -> bytes:
+    """Send `request` as is over the Unix socket at `path` and read the answer to its end
+    (a control socket answers once and closes): for requests no HTTP client would send."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
 
 
 def read_until(proc: subprocess.Popen, needle: str, timeout: float = 60) -> str:  # type: ignore[type-arg]

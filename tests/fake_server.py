@@ -553,6 +553,27 @@ def torchrun_cmd(
     ]  # fmt: skip
 
 
+@contextlib.contextmanager
+def torchrun_job(
+    *program: str, env: dict[str, str] | None = None, **torchrun: Any
+) -> Iterator[subprocess.Popen[str]]:
+    """`torchrun_cmd(*program, **torchrun)` running while the block talks to it (a serve job,
+    one node of several), its output piped as text, `env` added to this environment. Killed
+    if it is still running when the block ends (a test that failed)."""
+    proc = subprocess.Popen(
+        torchrun_cmd(*program, **torchrun),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def run_torchrun(
     *program: str, nproc: int = 2, timeout: float = 100, **kw: Any
 ) -> subprocess.CompletedProcess[str]:

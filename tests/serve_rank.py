@@ -18,7 +18,7 @@ from ckptctl.launch import launch_info
 from ckptctl.pipeline import stages
 from ckptctl.pipeline.coordination import Coordinator, Watchdog
 from ckptctl.pipeline.job import Job
-from ckptctl.pipeline.serve import serve_loop
+from ckptctl.pipeline.serve.loop import serve_loop
 from ckptctl.progress import Reporter
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
-from fake_server import free_master_port, run_torchrun, torchrun_cmd
+from fake_server import free_master_port, run_torchrun, torchrun_job
 
 SCRIPT = str(Path(__file__).with_name("coordination_rank.py"))
 
@@ -85,22 +86,12 @@ def test_a_rank_dying_on_another_node_is_noticed_by_heartbeats() -> None:
     so only the heartbeats in the store end rank 0 (stale after 3 s in this test)."""
     port = free_master_port()
 
-    def node(rank: int) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            torchrun_cmd(SCRIPT, "die", nproc=1, nnodes=2, node_rank=rank, port=port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    def node(rank: int) -> AbstractContextManager[subprocess.Popen[str]]:
+        return torchrun_job(SCRIPT, "die", nproc=1, nnodes=2, node_rank=rank, port=port)
 
-    node0, node1 = node(0), node(1)
-    try:
+    with node(0) as node0, node(1) as node1:
         _, err0 = node0.communicate(timeout=90)
         node1.communicate(timeout=90)
-    finally:
-        for proc in (node0, node1):
-            if proc.poll() is None:
-                proc.kill()
     assert node0.returncode != 0
     assert "rank 1 stopped responding" in err0 or "lost contact with the job's store" in err0
     assert "timed out" not in err0  # the heartbeats ended it, not the 60 s deadline
@@ -120,15 +111,9 @@ def test_a_signal_to_one_serving_rank_stops_them_all_cleanly() -> None:
     import re
     import signal as signals
 
-    proc = subprocess.Popen(
-        torchrun_cmd(SCRIPT, "serve"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
     pids: dict[int, int] = {}
-    try:
+    with torchrun_job(SCRIPT, "serve") as proc:
+        assert proc.stdout is not None
         while len(pids) < 2:  # each rank says so once serve() handles its signals
             line = proc.stdout.readline()
             assert line, "the job ended before serving"
@@ -137,9 +122,6 @@ def test_a_signal_to_one_serving_rank_stops_them_all_cleanly() -> None:
                 pids[int(m.group(1))] = int(m.group(2))
         os.kill(pids[1], signals.SIGTERM)
         out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err
     assert "rank 1: stopped by SIGTERM" in out
     assert "rank 0: stopped by SIGTERM (on rank 1)" in out

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import run_script
+from conftest import run_script, wait_until
 from fake_server import Behaviour, FakeServer
 
 from ckptctl.bounded_http import MAX_RESPONSE_BYTES, ResponseTooLarge, bounded_client, deadline
@@ -55,16 +55,9 @@ def _ended(call: Callable[[], Any]) -> Any:
     return box.get("error", box.get("value"))
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while not condition() and time.monotonic() < end:
-        time.sleep(0.05)
-    return condition()
-
-
-def _saw_hang_up(server: FakeServer) -> bool:
+def _wait_for_hang_up(server: FakeServer) -> None:
     """A trickling server notices the client gone at its next byte."""
-    return _wait_for(lambda: server.behaviour.disconnects >= 1)
+    wait_until(lambda: server.behaviour.disconnects >= 1, 20, "the client to hang up")
 
 
 def _bounded_flood(server: FakeServer) -> None:
@@ -86,7 +79,7 @@ def test_wait_ready_ends_at_its_timeout_with_exit_4(mode: str) -> None:
         assert doc["ready"] is False
         if mode in TRICKLES:
             assert "no answer within" in doc["last_status"]
-            assert _saw_hang_up(s)
+            _wait_for_hang_up(s)
         else:
             assert "more than 1 MiB" in doc["last_status"]
             _bounded_flood(s)
@@ -102,7 +95,7 @@ def test_wait_ready_over_a_unix_socket_is_bounded_too(short_tmp: Path) -> None:
         )  # fmt: skip
         assert r.returncode == 4, r.stderr
         assert "no answer within" in r.stderr
-        assert _saw_hang_up(s)
+        _wait_for_hang_up(s)
 
 
 def test_a_trickle_longer_than_the_attempt_timeout_is_one_failed_attempt() -> None:
@@ -135,7 +128,7 @@ def test_the_update_request_is_bounded(mode: str, engine: str) -> None:
         )  # fmt: skip
         if mode in TRICKLES:
             assert isinstance(outcome, httpx.TimeoutException), outcome
-            assert _saw_hang_up(s)
+            _wait_for_hang_up(s)
         else:
             assert isinstance(outcome, ResponseTooLarge), outcome
             _bounded_flood(s)
@@ -223,29 +216,26 @@ def test_one_deadline_bounds_several_requests_together() -> None:
 def test_serve_a_trickling_server_fails_only_that_push(short_tmp: Path) -> None:
     """A 2-rank serve job (ParameterServer stood in): the server trickles its answer to the
     update, the push fails at --push-timeout with exit 4, and the job serves the next push."""
-    from conftest import wait_for_path
-    from test_update_orchestration import _serve_job
+    from conftest import cpu_serve_job, wait_for_path
 
     sock = str(short_tmp / "serve.sock")
     paths = ("/update_weights_from_ipc",)
-    with FakeServer(Behaviour(mode="trickle_body", mode_paths=paths)) as s:
-        job = _serve_job(sock, s.endpoint, "--push-timeout", "5")
-        try:
-            assert wait_for_path(sock)
-            push = ("push", "--control-socket", sock, "--checkpoint-path", str(TINY))
-            slow = run_script(*push, timeout=GUARD_S)
-            assert slow.returncode == 4, slow.stderr
-            assert _saw_hang_up(s)
-            s.behaviour.mode = None
-            again = run_script(*push, "--weight-version", "v2", timeout=GUARD_S)
-            assert again.returncode == 0, again.stderr
-            assert s.behaviour.weight_version == "v2"
-            with bounded_client("http://serve", uds=sock, timeout=10) as client:
-                client.post("/stop")
-            _, err = job.communicate(timeout=30)
-        finally:
-            if job.poll() is None:
-                job.kill()
+    with (
+        FakeServer(Behaviour(mode="trickle_body", mode_paths=paths)) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "5") as job,
+    ):
+        assert wait_for_path(sock)
+        push = ("push", "--control-socket", sock, "--checkpoint-path", str(TINY))
+        slow = run_script(*push, timeout=GUARD_S)
+        assert slow.returncode == 4, slow.stderr
+        _wait_for_hang_up(s)
+        s.behaviour.mode = None
+        again = run_script(*push, "--weight-version", "v2", timeout=GUARD_S)
+        assert again.returncode == 0, again.stderr
+        assert s.behaviour.weight_version == "v2"
+        with bounded_client("http://serve", uds=sock, timeout=10) as client:
+            client.post("/stop")
+        _, err = job.communicate(timeout=30)
     assert job.returncode == 0, err
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_until
 from fake_server import Behaviour, FakeServer, torchrun_cmd
 from pty_run import run_on_pty
 from rich.console import Console
@@ -31,15 +32,6 @@ from ckptctl.progress import ByteCounter, Reporter, RichReporter, format_bytes
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny-checkpoint"
 CPU_RANK = str(Path(__file__).with_name("cpu_ps_rank.py"))
-
-
-def wait_until(condition: Any, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return bool(condition())
 
 
 # -- the reporter ---------------------------------------------------------------------------------
@@ -64,7 +56,7 @@ def test_plain_progress_lines_while_bytes_move() -> None:
     try:
         with reporter.stage("register", "reading the share", nbytes=4_000_000) as st:
             st.done.add(1_000_000)
-            assert wait_until(lambda: any("of 4.00 MB" in line for line in lines))
+            wait_until(lambda: any("of 4.00 MB" in line for line in lines), 20, "a progress line")
     finally:
         reporter.close()
     progress = [line for line in lines if "of 4.00 MB" in line]
@@ -93,7 +85,7 @@ def test_the_live_view_draws_bytes_rate_and_eta() -> None:
     try:
         with reporter.stage("register", "loading the shares", nbytes=2_000_000_000) as st:
             st.done.add(500_000_000)
-            assert wait_until(lambda: "0.50/2.00 GB" in _frame(reporter))
+            wait_until(lambda: "0.50/2.00 GB" in _frame(reporter), 20, "the bytes drawn")
 
             # A rate needs the counter sampled twice as it moves: feed it until it shows.
             def moving() -> bool:
@@ -101,7 +93,7 @@ def test_the_live_view_draws_bytes_rate_and_eta() -> None:
                 time.sleep(0.01)
                 return "B/s" in _frame(reporter)
 
-            assert wait_until(moving)
+            wait_until(moving, 20, "a rate drawn")
             frame = _frame(reporter)
             assert re.search(r"0\.\d\d/2\.00 GB +\d+\.\d\d [kMG]B/s eta \d+:\d\d", frame), frame
             assert "━" in frame and "…" not in frame  # figures are never cut
@@ -241,11 +233,15 @@ def test_rank_0_sums_the_node_through_the_store() -> None:
             two.done.add(50)
             mine.done.add(8)
             assert reporters[0].node is shares[0]
-            assert wait_until(lambda: reporters[0].progress_of(mine) == (88, 230, 3))
+            wait_until(
+                lambda: reporters[0].progress_of(mine) == (88, 230, 3), 20, "3 ranks counted"
+            )
             # a hostile writer on the store's port: rank 0 ignores what it cannot read
             shares[2].stop()  # (else it writes its own figures again)
             store.set("progress/2", b"\xff" * 10)
-            assert wait_until(lambda: reporters[0].progress_of(mine) == (38, 180, 2))
+            wait_until(
+                lambda: reporters[0].progress_of(mine) == (38, 180, 2), 20, "2 ranks counted"
+            )
     finally:
         for share in shares:
             if share is not None:

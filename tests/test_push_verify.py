@@ -12,12 +12,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import run_script, wait_for_path
+from conftest import cpu_serve_job, run_script, wait_for_path
 from fake_checker import HeldWeights
-from fake_server import Behaviour, FakeServer, torchrun_cmd
+from fake_server import Behaviour, FakeServer
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
-SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))
 Q = "model.layers.0.self_attn.q_proj.weight"
 
 pytestmark = pytest.mark.slow
@@ -40,30 +39,11 @@ def _push(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
 def _serve_and_push(profile: str, sock: str, between: list) -> list:
     """Start a serve job feeding one TP2 server, run each step of `between` (each gets the
     server and returns a push's result), stop the job; the job must end cleanly."""
-    with _receiving(profile) as s:
-        job = subprocess.Popen(
-            torchrun_cmd(
-                SCRIPT,
-                "serve",
-                "--inference-parallel-size",
-                "2",
-                "--endpoint",
-                s.endpoint,
-                "--control-socket",
-                sock,
-            ),  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert wait_for_path(sock), "the control socket never appeared"
-            results = [step(s) for step in between]
-            assert run_script("stop", "--control-socket", sock, timeout=30).returncode == 0
-            _, err = job.communicate(timeout=60)
-        finally:
-            if job.poll() is None:
-                job.kill()
+    with _receiving(profile) as s, cpu_serve_job(s.endpoint, "--control-socket", sock) as job:
+        assert wait_for_path(sock), "the control socket never appeared"
+        results = [step(s) for step in between]
+        assert run_script("stop", "--control-socket", sock, timeout=30).returncode == 0
+        _, err = job.communicate(timeout=60)
     assert job.returncode == 0, err[-3000:]
     return results
 

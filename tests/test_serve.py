@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
-from conftest import run_script, wait_for_path
-from fake_server import torchrun_cmd
+from conftest import raw_exchange, run_script, wait_for_path
+from fake_server import torchrun_job
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 SCRIPT = str(Path(__file__).with_name("serve_rank.py"))
@@ -20,13 +21,7 @@ pytestmark = pytest.mark.slow
 
 def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
     sock = str(short_tmp / "serve.sock")
-    job = subprocess.Popen(
-        torchrun_cmd(SCRIPT, sock),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _job(sock) as job:
         assert wait_for_path(sock), "the control socket never appeared"
 
         good = run_script(
@@ -79,9 +74,6 @@ def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
         stop = run_script("stop", "--control-socket", sock, timeout=30)
         assert stop.returncode == 0, stop.stderr
         out, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
     assert job.returncode == 0, err
     assert "rank 1: stopped by a client (ckptctl stop) (on rank 0)" in out
     assert not os.path.exists(sock)
@@ -94,14 +86,11 @@ def test_push_without_a_serve_job_says_so(short_tmp: Path) -> None:
     assert r.returncode == 1 and "no serve job answers" in r.stderr
 
 
-def _job(sock: str, *, port: int | None = None, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        torchrun_cmd(SCRIPT, sock, port=port),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **env},
-    )
+def _job(
+    sock: str, *, port: int | None = None, **env: str
+) -> AbstractContextManager[subprocess.Popen[str]]:
+    """The 2-rank serve job of serve_rank.py on control socket `sock`."""
+    return torchrun_job(SCRIPT, sock, port=port, env=env)
 
 
 def _ran(log: Path) -> list[str]:
@@ -142,8 +131,7 @@ def test_commands_written_into_torchruns_store_change_nothing(short_tmp: Path) -
     from fake_server import free_master_port
 
     sock, log, port = str(short_tmp / "serve.sock"), short_tmp / "ran", free_master_port()
-    job = _job(sock, port=port, SERVE_RANK_LOG=str(log))
-    try:
+    with _job(sock, port=port, SERVE_RANK_LOG=str(log)) as job:
         assert wait_for_path(sock), "the control socket never appeared"
         import sys
 
@@ -170,9 +158,6 @@ def test_commands_written_into_torchruns_store_change_nothing(short_tmp: Path) -
         assert job.poll() is None, "the forged stop ended the job"
         assert run_script("stop", "--control-socket", sock, timeout=30).returncode == 0
         out, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
     assert job.returncode == 0, err
     assert "attacker" not in out + err
     assert "rank 0: stopped by a client (ckptctl stop) (on rank 0)" in out
@@ -184,14 +169,10 @@ def test_sigterm_to_any_rank_stops_every_rank(short_tmp: Path) -> None:
 
     sock, pids = str(short_tmp / "serve.sock"), short_tmp / "pids"
     pids.mkdir()
-    job = _job(sock, SERVE_RANK_PIDS=str(pids))
-    try:
+    with _job(sock, SERVE_RANK_PIDS=str(pids)) as job:
         assert wait_for_path(sock)
         os.kill(int((pids / "1").read_text()), signal.SIGTERM)
         out, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
     assert job.returncode == 0, err
     assert "rank 0: stopped by SIGTERM (on rank 1)" in out
     assert "rank 1: stopped by SIGTERM (on rank 1)" in out
@@ -205,8 +186,7 @@ def test_push_and_status_wait_for_a_job_that_is_still_starting(short_tmp: Path) 
         "push", "--control-socket", sock, "--checkpoint-path", str(TINY), "--wait", "0.5"
     )
     assert nothing.returncode == 4 and "waited 0.5s" in nothing.stderr, nothing.stderr
-    job = _job(sock)
-    try:
+    with _job(sock) as job:
         # Started at once, before the job's socket can exist.
         push = subprocess.Popen(
             [*_script("push"), "--control-socket", sock, "--checkpoint-path", str(TINY),
@@ -222,9 +202,6 @@ def test_push_and_status_wait_for_a_job_that_is_still_starting(short_tmp: Path) 
         assert run_script("stop", "--control-socket", sock, "--wait", "60").returncode == 0
         assert not os.path.exists(sock)
         _, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
     assert job.returncode == 0, err[-3000:]
 
 
@@ -234,39 +211,22 @@ def _script(*args: str) -> list[str]:
     return [ckptctl_script(), *args]
 
 
-def _raw(sock: str, request: bytes) -> bytes:
-    import socket
-
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(30)
-        s.connect(sock)
-        s.sendall(request)
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    return data
-
-
 def test_malformed_requests_get_an_answer_and_the_job_serves_on(short_tmp: Path) -> None:
     """Issue 14 item 7: a bad Content-Length is a 400, a huge one a 413; never a traceback."""
     sock = str(short_tmp / "serve.sock")
-    job = _job(sock)
-    try:
+    with _job(sock) as job:
         assert wait_for_path(sock)
-        bad = _raw(sock, b"POST /push HTTP/1.1\r\nContent-Length: abc\r\n\r\n")
+        bad = raw_exchange(sock, b"POST /push HTTP/1.1\r\nContent-Length: abc\r\n\r\n")
         assert bad.startswith(b"HTTP/1.1 400 "), bad
         assert b"Content-Length" in bad
-        huge = _raw(sock, b"POST /push HTTP/1.1\r\nContent-Length: 100000000000000\r\n\r\n")
+        huge = raw_exchange(sock, b"POST /push HTTP/1.1\r\nContent-Length: 100000000000000\r\n\r\n")
         assert huge.startswith(b"HTTP/1.1 413 "), huge
-        notjson = _raw(sock, b"POST /push HTTP/1.1\r\nContent-Length: 3\r\n\r\n{{{")
+        notjson = raw_exchange(sock, b"POST /push HTTP/1.1\r\nContent-Length: 3\r\n\r\n{{{")
         assert notjson.startswith(b"HTTP/1.1 400 "), notjson
         status = run_script("status", "--control-socket", sock, "--json", timeout=30)
         assert status.returncode == 0 and json.loads(status.stdout)["commands"] == 0
         assert run_script("stop", "--control-socket", sock).returncode == 0
         out, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
     assert job.returncode == 0, err
     assert "Traceback" not in err and "MemoryError" not in err
 
@@ -283,16 +243,12 @@ def test_on_two_nodes_the_second_nodes_socket_takes_status_and_stop_only(
 
     port = free_master_port()
     socks = [str(short_tmp / "node0.sock"), str(short_tmp / "node1.sock")]
-    nodes = [
-        subprocess.Popen(
-            torchrun_cmd(SCRIPT, socks[n], nproc=1, nnodes=2, node_rank=n, port=port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for n in (0, 1)
-    ]
-    try:
+
+    def node(n: int) -> AbstractContextManager[subprocess.Popen[str]]:
+        return torchrun_job(SCRIPT, socks[n], nproc=1, nnodes=2, node_rank=n, port=port)
+
+    with node(0) as node0, node(1) as node1:
+        nodes = [node0, node1]
         assert all(wait_for_path(s) for s in socks)
         refused = run_script("push", "--control-socket", socks[1], "--checkpoint-path", str(TINY))
         assert refused.returncode == 2, refused.stderr
@@ -308,9 +264,5 @@ def test_on_two_nodes_the_second_nodes_socket_takes_status_and_stop_only(
         assert doc["commands"] == 1 and doc["last"]["checkpoint_name"] == "both"
         assert run_script("stop", "--control-socket", socks[1]).returncode == 0
         outs = [n.communicate(timeout=60) for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
     assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
     assert "rank 0: stopped by a client (ckptctl stop) (on rank 1)" in outs[0][0]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_script
+from conftest import raw_exchange, run_script
 
 from ckptctl.errors import OperationFailed, UsageError
 from ckptctl.pipeline.serve import control
@@ -81,17 +81,6 @@ def open_dir(short_tmp: Path) -> Path:
     os.chmod(d, 0o1777)
     os.chmod(short_tmp, 0o755)
     return d
-
-
-def _raw(path: str, request: bytes, *, timeout: float = 30) -> bytes:
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall(request)
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    return data
 
 
 # -- where it lives --------------------------------------------------------------------------------
@@ -345,7 +334,7 @@ def test_malformed_requests_get_an_answer_never_a_crash(
     server: tuple[str, Calls], request_bytes: bytes, status: int
 ) -> None:
     path, calls = server
-    answer = _raw(path, request_bytes)
+    answer = raw_exchange(path, request_bytes)
     assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:200]
     doc = json.loads(answer.partition(b"\r\n\r\n")[2])
     assert doc["ok"] is False and doc["error"]

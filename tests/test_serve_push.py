@@ -11,25 +11,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import run_script, wait_for_path
+from conftest import cpu_serve_job, run_script, wait_for_path
 from fake_server import Behaviour, FakeServer, torchrun_cmd
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))
 
 pytestmark = pytest.mark.slow
-
-
-def _serve(endpoint: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        torchrun_cmd(
-            SCRIPT, "serve", "--inference-parallel-size", "2", "--endpoint", endpoint, *args
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def _push(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -57,50 +45,46 @@ def test_a_push_that_breaks_off_after_the_workers_connected_says_partial_and_the
     and JSON say so, `status` shows it, and the next good push (every tensor) records a whole
     set again, with its checkpoint and weight version."""
     sock = str(short_tmp / "serve.sock")
-    with FakeServer(Behaviour()) as s:
-        job = _serve(s.endpoint, "--control-socket", sock, "--push-timeout", "60")
-        try:
-            assert wait_for_path(sock)
-            assert _status(sock)["server_weights"] is None  # nothing pushed yet
-            first = _push(sock, "--weight-version", "v1", "--checkpoint-name", "one")
-            assert first.returncode == 0, first.stderr
-            assert json.loads(first.stdout)["server_weights"] == "whole"
+    with (
+        FakeServer(Behaviour()) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
+    ):
+        assert wait_for_path(sock)
+        assert _status(sock)["server_weights"] is None  # nothing pushed yet
+        first = _push(sock, "--weight-version", "v1", "--checkpoint-name", "one")
+        assert first.returncode == 0, first.stderr
+        assert json.loads(first.stdout)["server_weights"] == "whole"
 
-            # The stand-in's workers take the handle, then one fails mid-transfer; SGLang
-            # then answers 400 too (its "partially updated" refusal).
-            s.behaviour.update_status = 400
-            s.behaviour.update_message = "partially updated. Please discard the whole weights"
-            broken = _push(
-                sock, "--weight-version", "v2", "--checkpoint-name", "x-fail-after-connect"
-            )
-            s.behaviour.update_status = 200
-            assert broken.returncode == 1, broken.stderr
-            doc = json.loads(broken.stdout)
-            assert doc["ok"] is False and doc.get("server_weights") == "partial", doc
-            assert "partly updated weights" in doc["error"]
-            assert "partly updated weights" in broken.stderr
-            st = _status(sock)
-            assert st["server_weights"] == "partial" and st["state"] == "idle"
-            assert st["weights"]["checkpoint_name"] == "one"  # the last whole set
-            human = run_script("status", "--control-socket", sock, timeout=30)
-            assert "server weights: PARTIAL" in human.stdout, human.stdout
+        # The stand-in's workers take the handle, then one fails mid-transfer; SGLang
+        # then answers 400 too (its "partially updated" refusal).
+        s.behaviour.update_status = 400
+        s.behaviour.update_message = "partially updated. Please discard the whole weights"
+        broken = _push(sock, "--weight-version", "v2", "--checkpoint-name", "x-fail-after-connect")
+        s.behaviour.update_status = 200
+        assert broken.returncode == 1, broken.stderr
+        doc = json.loads(broken.stdout)
+        assert doc["ok"] is False and doc.get("server_weights") == "partial", doc
+        assert "partly updated weights" in doc["error"]
+        assert "partly updated weights" in broken.stderr
+        st = _status(sock)
+        assert st["server_weights"] == "partial" and st["state"] == "idle"
+        assert st["weights"]["checkpoint_name"] == "one"  # the last whole set
+        human = run_script("status", "--control-socket", sock, timeout=30)
+        assert "server weights: PARTIAL" in human.stdout, human.stdout
 
-            again = _push(sock, "--weight-version", "v3", "--checkpoint-name", "three")
-            assert again.returncode == 0, again.stderr
-            assert s.behaviour.weight_version == "v3"
-            st = _status(sock)
-            assert st["server_weights"] == "whole"
-            assert st["weights"]["checkpoint_path"] == str(TINY.resolve())
-            assert st["weights"]["weight_version"] == "v3" and st["weights"]["seq"] == 3
-            assert st["last"]["ok"] and st["last"]["total_bytes"] > 0
-            assert st["last"]["ranks"][0]["figures"]["stages"]["update"]["seconds"] >= 0
-            assert st["registered"] == "three"
-            human = run_script("status", "--control-socket", sock, timeout=30).stdout
-            assert "server weights: whole, from push 3" in human and "weight version v3" in human
-            out, err = _stop(job, sock)
-        finally:
-            if job.poll() is None:
-                job.kill()
+        again = _push(sock, "--weight-version", "v3", "--checkpoint-name", "three")
+        assert again.returncode == 0, again.stderr
+        assert s.behaviour.weight_version == "v3"
+        st = _status(sock)
+        assert st["server_weights"] == "whole"
+        assert st["weights"]["checkpoint_path"] == str(TINY.resolve())
+        assert st["weights"]["weight_version"] == "v3" and st["weights"]["seq"] == 3
+        assert st["last"]["ok"] and st["last"]["total_bytes"] > 0
+        assert st["last"]["ranks"][0]["figures"]["stages"]["update"]["seconds"] >= 0
+        assert st["registered"] == "three"
+        human = run_script("status", "--control-socket", sock, timeout=30).stdout
+        assert "server weights: whole, from push 3" in human and "weight version v3" in human
+        out, err = _stop(job, sock)
     assert job.returncode == 0, err[-3000:]
 
 
@@ -109,22 +93,20 @@ def test_a_push_past_its_timeout_fails_alone_and_the_job_serves_on(short_tmp: Pa
     with exit 4; its workers never connected, so the transfer is ended (the rescue) and the
     next push goes through."""
     sock = str(short_tmp / "serve.sock")
-    with FakeServer(Behaviour(update_delay_s=30)) as s:
-        job = _serve(s.endpoint, "--control-socket", sock, "--push-timeout", "3")
-        try:
-            assert wait_for_path(sock)
-            slow = _push(sock)
-            assert slow.returncode == 4, slow.stderr
-            assert json.loads(slow.stdout)["server_weights"] is None  # never reached them
-            s.behaviour.update_delay_s = 0
-            ok = _push(sock, "--weight-version", "after")
-            assert ok.returncode == 0, ok.stderr
-            assert s.behaviour.weight_version == "after"
-            assert job.poll() is None
-            out, err = _stop(job, sock)
-        finally:
-            if job.poll() is None:
-                job.kill()
+    with (
+        FakeServer(Behaviour(update_delay_s=30)) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "3") as job,
+    ):
+        assert wait_for_path(sock)
+        slow = _push(sock)
+        assert slow.returncode == 4, slow.stderr
+        assert json.loads(slow.stdout)["server_weights"] is None  # never reached them
+        s.behaviour.update_delay_s = 0
+        ok = _push(sock, "--weight-version", "after")
+        assert ok.returncode == 0, ok.stderr
+        assert s.behaviour.weight_version == "after"
+        assert job.poll() is None
+        out, err = _stop(job, sock)
     assert job.returncode == 0, err[-3000:]
 
 
@@ -137,24 +119,22 @@ def test_no_rank_frees_the_previous_checkpoint_before_every_rank_has_pushed(
     direct registration refills its pool at the start of the next push, after the closing
     barrier of the one before.)"""
     sock, events = str(short_tmp / "serve.sock"), tmp_path / "events"
-    with FakeServer(Behaviour()) as s:
-        job = _serve(
+    with (
+        FakeServer(Behaviour()) as s,
+        cpu_serve_job(
             s.endpoint,
             "--control-socket",
             sock,
             "--register-mode",
             "engine",
             env={"CPU_PS_SLOW_UPDATE_RANK": "1", "CPU_PS_EVENTS": str(events)},
-        )
-        try:
-            assert wait_for_path(sock)
-            for name in ("a", "b", "c"):
-                r = _push(sock, "--checkpoint-name", name)
-                assert r.returncode == 0, r.stderr
-            _, err = _stop(job, sock)
-        finally:
-            if job.poll() is None:
-                job.kill()
+        ) as job,
+    ):
+        assert wait_for_path(sock)
+        for name in ("a", "b", "c"):
+            r = _push(sock, "--checkpoint-name", name)
+            assert r.returncode == 0, r.stderr
+        _, err = _stop(job, sock)
     assert job.returncode == 0, err[-3000:]
     lines = [json.loads(x) for x in events.read_text().splitlines()]
     order = [(e["event"], e["name"], e["rank"]) for e in lines]
@@ -172,32 +152,27 @@ def test_the_default_socket_is_named_after_the_server(short_tmp: Path) -> None:
     xdg = short_tmp / "xdg"
     xdg.mkdir(mode=0o700)
     env = {"XDG_RUNTIME_DIR": str(xdg)}
-    with FakeServer(Behaviour()) as s:
-        job = _serve(s.endpoint, env=env)
-        try:
-            push = run_script(
-                "push", "--endpoint", s.endpoint, "--checkpoint-path", str(TINY),
-                "--wait", "120", "--weight-version", "w1", env=env, timeout=180,
-            )  # fmt: skip
-            assert push.returncode == 0, push.stderr
-            assert s.behaviour.weight_version == "w1"
-            st = run_script("status", "--json", env=env, timeout=30)
-            assert st.returncode == 0, st.stderr
-            doc = json.loads(st.stdout)
-            sock = doc["control_socket"]
-            assert Path(sock).parent == xdg / "ckptctl" and Path(sock).name.startswith("serve-")
-            assert doc["targets"] == [s.endpoint.rstrip("/")]
-            other = run_script(
-                "push", "--endpoint", "http://127.0.0.1:1", "--checkpoint-path", str(TINY),
-                env=env, timeout=30,
-            )  # fmt: skip
-            assert other.returncode == 1 and "no serve job of yours answers" in other.stderr
-            stop = run_script("stop", "--wait", "60", env=env, timeout=90)
-            assert stop.returncode == 0, stop.stderr
-            _, err = job.communicate(timeout=60)
-        finally:
-            if job.poll() is None:
-                job.kill()
+    with FakeServer(Behaviour()) as s, cpu_serve_job(s.endpoint, env=env) as job:
+        push = run_script(
+            "push", "--endpoint", s.endpoint, "--checkpoint-path", str(TINY),
+            "--wait", "120", "--weight-version", "w1", env=env, timeout=180,
+        )  # fmt: skip
+        assert push.returncode == 0, push.stderr
+        assert s.behaviour.weight_version == "w1"
+        st = run_script("status", "--json", env=env, timeout=30)
+        assert st.returncode == 0, st.stderr
+        doc = json.loads(st.stdout)
+        sock = doc["control_socket"]
+        assert Path(sock).parent == xdg / "ckptctl" and Path(sock).name.startswith("serve-")
+        assert doc["targets"] == [s.endpoint.rstrip("/")]
+        other = run_script(
+            "push", "--endpoint", "http://127.0.0.1:1", "--checkpoint-path", str(TINY),
+            env=env, timeout=30,
+        )  # fmt: skip
+        assert other.returncode == 1 and "no serve job of yours answers" in other.stderr
+        stop = run_script("stop", "--wait", "60", env=env, timeout=90)
+        assert stop.returncode == 0, stop.stderr
+        _, err = job.communicate(timeout=60)
     assert job.returncode == 0, err[-3000:]
     assert not os.path.exists(sock)
 

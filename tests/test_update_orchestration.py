@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import wait_for_path
+from conftest import cpu_serve_job, wait_for_path
 from fake_server import Behaviour, FakeServer, run_torchrun, torchrun_cmd
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
@@ -27,30 +27,6 @@ def _torchrun(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         SCRIPT, "update", "--checkpoint-path", str(TINY), "--timeout", "60", *args,
         env={**os.environ, **env},
     )  # fmt: skip
-
-
-def _serve_job(sock: str, endpoint: str, *extra: str, **env: str) -> subprocess.Popen[str]:
-    """A 2-rank `serve` job with the PS stood in, on control socket `sock`."""
-
-    return subprocess.Popen(
-        torchrun_cmd(
-            SCRIPT,
-            "serve",
-            "--control-socket",
-            sock,
-            "--inference-parallel-size",
-            "2",
-            "--endpoint",
-            endpoint,
-            "--push-timeout",
-            "30",
-            *extra,
-        ),  # fmt: skip
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **env},
-    )
 
 
 def _updates(server: FakeServer) -> list[dict]:
@@ -134,46 +110,44 @@ def test_serve_pushes_and_survives_a_refused_push(short_tmp: Path) -> None:
     from conftest import run_script
 
     sock = str(short_tmp / "serve.sock")
-    with FakeServer(Behaviour()) as s:
-        job = _serve_job(sock, s.endpoint)
-        try:
-            assert wait_for_path(sock)
-            ok = run_script(
-                "push",
-                "--control-socket",
-                sock,
-                "--checkpoint-path",
-                str(TINY),
-                "--weight-version",
-                "v1",
-                timeout=60,
-            )
-            assert ok.returncode == 0, ok.stderr
-            s.behaviour.update_status, s.behaviour.update_message = 400, "busy"
-            refused = run_script(
-                "push", "--control-socket", sock, "--checkpoint-path", str(TINY), timeout=60
-            )
-            s.behaviour.update_status = 200
-            assert refused.returncode == 1
-            assert "refused the update: HTTP 400: busy" in refused.stderr
-            again = run_script(
-                "push",
-                "--control-socket",
-                sock,
-                "--checkpoint-path",
-                str(TINY),
-                "--weight-version",
-                "v3",
-                timeout=60,
-            )
-            assert again.returncode == 0, again.stderr
-            assert s.behaviour.weight_version == "v3"
-            with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
-                client.post("http://serve/stop")
-            _, err = job.communicate(timeout=60)
-        finally:
-            if job.poll() is None:
-                job.kill()
+    with (
+        FakeServer(Behaviour()) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "30") as job,
+    ):
+        assert wait_for_path(sock)
+        ok = run_script(
+            "push",
+            "--control-socket",
+            sock,
+            "--checkpoint-path",
+            str(TINY),
+            "--weight-version",
+            "v1",
+            timeout=60,
+        )
+        assert ok.returncode == 0, ok.stderr
+        s.behaviour.update_status, s.behaviour.update_message = 400, "busy"
+        refused = run_script(
+            "push", "--control-socket", sock, "--checkpoint-path", str(TINY), timeout=60
+        )
+        s.behaviour.update_status = 200
+        assert refused.returncode == 1
+        assert "refused the update: HTTP 400: busy" in refused.stderr
+        again = run_script(
+            "push",
+            "--control-socket",
+            sock,
+            "--checkpoint-path",
+            str(TINY),
+            "--weight-version",
+            "v3",
+            timeout=60,
+        )
+        assert again.returncode == 0, again.stderr
+        assert s.behaviour.weight_version == "v3"
+        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
+            client.post("http://serve/stop")
+        _, err = job.communicate(timeout=60)
     assert job.returncode == 0, err
 
 
@@ -201,29 +175,27 @@ def test_serve_direct_refills_one_pool_push_after_push(tmp_path: Path, short_tmp
 
     ck1, ck2 = _filled_checkpoint(tmp_path / "one", 1), _filled_checkpoint(tmp_path / "two", 2)
     sock, log = str(short_tmp / "serve.sock"), str(tmp_path / "registered")
-    with FakeServer(Behaviour()) as s:
-        job = _serve_job(sock, s.endpoint, "--register-mode", "direct", CPU_PS_LOG=log)
-        try:
-            assert wait_for_path(sock)
+    with FakeServer(Behaviour()) as s, cpu_serve_job(
+        s.endpoint, "--control-socket", sock, "--push-timeout", "30",
+        "--register-mode", "direct", env={"CPU_PS_LOG": log},
+    ) as job:  # fmt: skip
+        assert wait_for_path(sock)
 
-            def push(ck: Path) -> subprocess.CompletedProcess[str]:
-                return run_script(
-                    "push", "--control-socket", sock, "--checkpoint-path", str(ck), timeout=60
-                )
+        def push(ck: Path) -> subprocess.CompletedProcess[str]:
+            return run_script(
+                "push", "--control-socket", sock, "--checkpoint-path", str(ck), timeout=60
+            )
 
-            assert push(ck1).returncode == 0
-            assert push(ck2).returncode == 0
-            s.behaviour.update_status, s.behaviour.update_message = 400, "busy"
-            assert push(ck1).returncode == 1
-            s.behaviour.update_status = 200
-            last = push(ck1)
-            assert last.returncode == 0, last.stderr
-            with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
-                client.post("http://serve/stop")
-            _, err = job.communicate(timeout=60)
-        finally:
-            if job.poll() is None:
-                job.kill()
+        assert push(ck1).returncode == 0
+        assert push(ck2).returncode == 0
+        s.behaviour.update_status, s.behaviour.update_message = 400, "busy"
+        assert push(ck1).returncode == 1
+        s.behaviour.update_status = 200
+        last = push(ck1)
+        assert last.returncode == 0, last.stderr
+        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
+            client.post("http://serve/stop")
+        _, err = job.communicate(timeout=60)
     assert job.returncode == 0, err
     for rank in (0, 1):
         rows = [json.loads(line) for line in Path(f"{log}.{rank}").read_text().splitlines()]

@@ -192,12 +192,9 @@ def _bad_entry(where: str, entry: object) -> InvalidInput:
     return _fail(where, f"data_offsets {offsets!r} is not [begin, end]", CORRUPT)
 
 
-def read_file_header(root: Path, file: str) -> list[TensorInfo]:
-    """The tensors of one .safetensors file, validated against the file's real size."""
-    return _read_file_header(root, file)[0]
-
-
-def _read_file_header(root: Path, file: str) -> tuple[list[TensorInfo], FileIdentity]:
+def read_file_header(root: Path, file: str) -> tuple[list[TensorInfo], FileIdentity]:
+    """The tensors of one .safetensors file, validated against the file's real size, and the
+    file as it was when they were read (for `open_planned`)."""
     path = root / file
     try:
         # A FIFO or device would block or lie about its size: never read one.
@@ -398,7 +395,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     file_bytes: dict[str, int] = {}
     file_ids: dict[str, FileIdentity] = {}
     for file in files:
-        infos, file_ids[file] = _read_file_header(root, file)
+        infos, file_ids[file] = read_file_header(root, file)
         file_bytes[file] = sum(map(_END, infos)) - sum(map(_START, infos))
         known = len(owner)
         owner.update(dict.fromkeys(map(_NAME, infos), file))

@@ -10,7 +10,6 @@ import typer
 from ckptctl.cli._options import CHECKPOINT, AllowPickleOpt, HelpOpt, JsonOpt, QuietOpt
 from ckptctl.cli._output import Output
 from ckptctl.errors import OperationFailed
-from ckptctl.progress import format_bytes
 
 if TYPE_CHECKING:
     from ckptctl.metas import CheckpointTensor, Difference, MetasSummary
@@ -89,6 +88,8 @@ def _show(out: Output, summary: MetasSummary) -> None:
     from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
+
+    from ckptctl.progress import format_bytes  # (it imports the live display: not at start-up)
 
     src = summary.source
     if src.legacy_pickle:

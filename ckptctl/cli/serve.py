@@ -132,7 +132,7 @@ def serve_command(
     """
     from ckptctl.cli._job_view import run_job_with_display
     from ckptctl.pipeline.groups import ServerTargets
-    from ckptctl.pipeline.serve import ServeOptions, run_serve
+    from ckptctl.pipeline.serve.run import ServeOptions, run_serve
 
     out = Output(json_mode=json_output, quiet=quiet)
     opts = ServeOptions(

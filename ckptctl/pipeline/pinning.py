@@ -357,11 +357,6 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def metas_of(bucket: HostBucket) -> list[Any]:
-    """checkpoint-engine's ParameterMeta list for a bucket, in offset order."""
-    return MetaMaker()(bucket)
-
-
 def planned_buffers(plan: Any) -> dict[int, list[tuple[int, list[Any]]]]:
     """Every rank's host buffers as its ShareReader lays them out - (size, metas) per bucket -
     computed from the plan that every rank shares: what checkpoint-engine's gather_metas would

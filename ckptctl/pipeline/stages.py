@@ -28,6 +28,17 @@ AFTER_ANSWER_GRACE_S = 15.0
 READ_BACK_TIMEOUT_S = 10.0
 
 
+def read_and_plan(checkpoint_path: str, world_size: int, split: str) -> tuple[Any, Any]:
+    """(checkpoint, plan): the headers read and the split planned, with the garbage collector
+    paused meanwhile (tens of thousands of tensors, no cyclic garbage)."""
+    from ckptctl.checkpoint import plan_split, read_checkpoint
+    from ckptctl.pipeline.pinning import gc_paused
+
+    with gc_paused():
+        checkpoint = read_checkpoint(checkpoint_path)
+        return checkpoint, plan_split(checkpoint, world_size, split)  # type: ignore[arg-type]
+
+
 class EarlyShare:
     """The split planned - and in direct mode this rank's share read - from the moment the
     command starts, in a thread: before the job's store is joined and torch is imported (3.4 s
@@ -49,8 +60,7 @@ class EarlyShare:
         """reporter: the job's, whose "register" stage will count the bytes read here."""
         import threading
 
-        self._args = (checkpoint_path, split, launch, register_mode, read_threads)
-        self._on_read = reporter.counter("register").add if reporter is not None else None
+        self._args = (checkpoint_path, split, launch, register_mode, read_threads, reporter)
         self.checkpoint: Any = None
         self.plan: Any = None
         self.reader: Any = None
@@ -60,27 +70,19 @@ class EarlyShare:
         threading.Thread(target=self._run, name="ckptctl-plan", daemon=True).start()
 
     def _run(self) -> None:
-        from ckptctl.checkpoint import plan_split, read_checkpoint
-        from ckptctl.pipeline.pinning import ShareReader, gc_paused
-
-        path, split, launch, mode, threads = self._args
+        path, split, launch, mode, threads, reporter = self._args
         started = time.perf_counter()
         try:
-            with gc_paused():
-                self.checkpoint = read_checkpoint(path)
-                self.plan = plan_split(self.checkpoint, launch.world_size, split)  # type: ignore[arg-type]
+            self.checkpoint, self.plan = read_and_plan(path, launch.world_size, split)
             self.seconds = time.perf_counter() - started
-            if mode == "direct":
-                share = self.plan.ranks[launch.rank]
-                self.reader = ShareReader(
-                    self.checkpoint,
-                    share.tensors,
-                    threads,
-                    pin=True,
-                    plan=self.plan,
-                    rank=launch.rank,
-                    on_read=self._on_read,
-                )
+            self.reader = prefetch_share(
+                self.checkpoint,
+                self.plan.ranks[launch.rank],
+                mode,
+                plan=self.plan,
+                read_threads=threads,
+                reporter=reporter,
+            )
         except BaseException as exc:  # noqa: BLE001 - raised by plan_share, inside the job
             self.error = exc
         finally:
@@ -100,16 +102,11 @@ def plan_share(
 ) -> tuple[Any, Any, Any]:
     """(checkpoint, plan, this rank's share): every rank computes the same plan on its own
     (already, when `early` started it before the job did)."""
-    from ckptctl.checkpoint import plan_split, read_checkpoint
-    from ckptctl.pipeline.pinning import gc_paused
-
     with job.reporter.stage("split", "planning the split") as st:
         if early is not None:
             checkpoint, plan = early.wait(job.watchdog.remaining())
         else:
-            with gc_paused():
-                checkpoint = read_checkpoint(checkpoint_path)
-                plan = plan_split(checkpoint, job.launch.world_size, split)  # type: ignore[arg-type]
+            checkpoint, plan = read_and_plan(checkpoint_path, job.launch.world_size, split)
         share = plan.ranks[job.launch.rank]
         st.detail = (
             f"{plan.split} split: this rank {format_bytes(share.bytes)}, "

@@ -7,9 +7,6 @@
 - loop.py: the loop every rank runs, and what `status` shows;
 - push.py: one push (the stages of `update`) and how it fails without ending the job;
 - run.py: the real job (a ParameterServer per rank).
+
+Nothing is imported here: `push`, `status` and `stop` import control.py alone, and start fast.
 """
-
-from ckptctl.pipeline.serve.loop import ServeLoop, serve_loop
-from ckptctl.pipeline.serve.run import ServeOptions, run_serve
-
-__all__ = ["ServeLoop", "ServeOptions", "run_serve", "serve_loop"]
