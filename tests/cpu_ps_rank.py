@@ -189,6 +189,7 @@ if __name__ == "__main__":
 
     ps_module.ParameterServerSession = CpuParameterServerSession  # type: ignore[misc]
     # No CUDA to pin host memory with: direct registration's buffers stay pageable.
+    pinning_module.DriverPin.for_rank = classmethod(lambda cls, rank: None)  # type: ignore
     pinning_module.pin_in_place = lambda buffer: None  # type: ignore[assignment]
     pinning_module.unpin = lambda buffer: None  # type: ignore[assignment]
     if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ.get("RANK", "0"):

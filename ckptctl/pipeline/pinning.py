@@ -407,6 +407,92 @@ def _runtime_function(name: str) -> Any:
     return _runtime[name]
 
 
+class DriverPin:
+    """Pinning before torch is imported, through the CUDA driver (libcuda) with ctypes.
+
+    On the H200 machine `import torch` takes 3-5 s, and the share is read long before it ends;
+    the CUDA context (0.2-0.3 s) and the pinning (0.4 s for 8 GB) then used to follow it on
+    the rank's critical path. The driver needs no torch: the reading thread makes the rank's
+    GPU's primary context current - the very context the CUDA runtime (torch,
+    checkpoint-engine, NCCL) takes up later - and registers the buffers with flags 0, as
+    `pin_in_place` does, so that checkpoint-engine's unpinning finds what it expects.
+
+    `for_rank` returns None where there is no driver or no GPU: the caller pins the usual way
+    once torch is there. `same_gpu_as_torch` checks afterwards that the driver's device is the
+    one torch gives the rank (by PCI address); if not, the caller unpins and pins again.
+    """
+
+    _SUCCESS = 0
+    _PCI_BUS_ID, _PCI_DEVICE_ID, _PCI_DOMAIN_ID = 33, 34, 50  # CUdevice_attribute
+
+    def __init__(self, lib: Any, register: Any, device: int, ordinal: int) -> None:
+        self._lib = lib
+        self._register = register
+        self.device = device
+        self.ordinal = ordinal
+
+    @classmethod
+    def for_rank(cls, rank: int) -> DriverPin | None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return None
+        try:
+            c_int = ctypes.c_int
+            if lib.cuInit(0) != cls._SUCCESS:
+                return None
+            count = c_int(0)
+            if lib.cuDeviceGetCount(ctypes.byref(count)) != cls._SUCCESS or count.value < 1:
+                return None
+            ordinal = rank % count.value  # checkpoint-engine's rule (local_device_index)
+            device = c_int(0)
+            if lib.cuDeviceGet(ctypes.byref(device), ordinal) != cls._SUCCESS:
+                return None
+            context = ctypes.c_void_p()
+            if lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) != cls._SUCCESS:
+                return None
+            if lib.cuCtxSetCurrent(context) != cls._SUCCESS:  # (this thread only)
+                return None
+            register = getattr(lib, "cuMemHostRegister_v2", None) or lib.cuMemHostRegister
+            register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+            register.restype = c_int
+            lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        except AttributeError:  # a driver without one of these calls
+            return None
+        return cls(lib, register, device.value, ordinal)
+
+    def pin(self, address: int, size: int) -> bool:
+        """cuMemHostRegister with flags 0 (checkpoint-engine's unpinning reads them back)."""
+        return bool(size) and self._register(address, size, 0) == self._SUCCESS
+
+    def unpin(self, address: int) -> None:
+        self._lib.cuMemHostUnregister(address)
+
+    def pci_address(self) -> tuple[int, int, int]:
+        values = []
+        for attribute in (self._PCI_DOMAIN_ID, self._PCI_BUS_ID, self._PCI_DEVICE_ID):
+            value = ctypes.c_int(-1)
+            self._lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, self.device)
+            values.append(value.value)
+        return values[0], values[1], values[2]
+
+    def same_gpu_as_torch(self) -> bool:
+        import torch
+
+        props = torch.cuda.get_device_properties(self.ordinal)
+        names = ("pci_domain_id", "pci_bus_id", "pci_device_id")  # (torch >= 2.4 has them)
+        return tuple(getattr(props, n, None) for n in names) == self.pci_address()
+
+
+def address_of(memory: Any) -> int:
+    """Where a writable buffer (an anonymous mapping) starts."""
+    view = ctypes.c_char.from_buffer(memory)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # (lets the mapping be closed later)
+
+
 def unpin(buffer: torch.Tensor) -> None:
     """cudaHostUnregister: undo `pin_in_place` (errors ignored: the process is leaving)."""
     import torch
@@ -478,9 +564,10 @@ class ShareReader:
     ParameterServer, so both overlap its start-up (CUDA context, store rendezvous). `result`
     waits for them and hands the buffers over.
 
-    Without a pool it needs no torch until the bytes are in: the buckets are anonymous memory,
-    wrapped as tensors (zero copy) and pinned in place afterwards, so the read can start while
-    the interpreter still imports torch (stages.EarlyShare).
+    Without a pool it needs no torch until the bytes are in and pinned: the buckets are
+    anonymous memory, pinned in place through the CUDA driver (DriverPin) and wrapped as
+    tensors (zero copy) afterwards, so reading and pinning run while the interpreter still
+    imports torch (stages.EarlyShare).
     """
 
     def __init__(
@@ -525,6 +612,8 @@ class ShareReader:
         self.read_seconds: float | None = None
         self.pin_seconds: float | None = None
         self._error: BaseException | None = None
+        self._driver: DriverPin | None = None  # when the buckets were pinned before torch
+        self._driver_pinned: list[int] = []
         # A daemon thread (not an executor's): a rank that fails meanwhile exits without
         # waiting for the read.
         self._thread = threading.Thread(
@@ -554,12 +643,20 @@ class ShareReader:
         )
         self._targets = []
         self.read_seconds = time.perf_counter() - self._started
+        if self._pin and self._pool is None:
+            self._pin_before_torch()
         # From here on torch (if the interpreter is still importing it, this waits for it).
         if not self._buffers:
             self._buffers = [
                 as_tensor(m, b.size) for m, b in zip(self._memory, self.buckets, strict=True)
             ]
             self._memory = []  # the tensors keep the memory alive
+        if self._driver is not None and not self._driver.same_gpu_as_torch():
+            # Not the GPU torch gives this rank: pin again below, in the right context.
+            for i in self._driver_pinned:
+                self._driver.unpin(self._buffers[i].data_ptr())
+                self._pinned[i] = False
+            self._driver_pinned = []
         if self._pin:
             if any(b.size and not p for b, p in zip(self.buckets, self._pinned, strict=True)):
                 _use_this_ranks_gpu()
@@ -579,6 +676,26 @@ class ShareReader:
             make = MetaMaker()
             with gc_paused():
                 self._metas = [make(b) for b in self.buckets]
+
+    def _pin_before_torch(self) -> None:
+        """Pin the fresh buckets through the CUDA driver, which needs no torch (DriverPin);
+        where that cannot be done, they are pinned the usual way once torch is there."""
+        todo = [i for i, b in enumerate(self.buckets) if b.size and not self._pinned[i]]
+        if not todo:
+            return
+        driver = DriverPin.for_rank(int(os.environ.get("RANK", "0")))
+        if driver is None:
+            return
+        self._driver = driver
+        for i in todo:
+            if not driver.pin(address_of(self._memory[i]), self.buckets[i].size):
+                return  # (e.g. out of lockable memory: the runtime's error says it below)
+            self._pinned[i] = True
+            self._driver_pinned.append(i)
+
+    @property
+    def pinned_before_torch(self) -> bool:
+        return bool(self._driver_pinned)
 
     def result(self) -> list[Any]:
         """checkpoint-engine MemoryBuffers (pinned in place when the reader was told to pin)."""
