@@ -85,6 +85,12 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), default="qwen3-8b")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pushes", type=int, default=10)
+    parser.add_argument(
+        "--api-pushes",
+        type=int,
+        default=10,
+        help="then this many through ckptctl.client.push, in this process (no CLI start-up)",
+    )
     parser.add_argument("--register-mode", default="direct", choices=["engine", "direct"])
     parser.add_argument(
         "--consume-pushes",
@@ -129,9 +135,12 @@ def main() -> None:
             time.sleep(0.1)
         startup_s = time.perf_counter() - t_start
         ranks = serve_ranks(job.pid)
-        for i in range(args.pushes + args.consume_pushes):
+        from ckptctl import client
+
+        for i in range(args.pushes + args.api_pushes + args.consume_pushes):
             ckpt = ckpts[i % 2]
-            consume = i >= args.pushes
+            consume = i >= args.pushes + args.api_pushes
+            via = "python" if args.pushes <= i < args.pushes + args.api_pushes else "cli"
             extra, copy_s = [], None
             if consume:
                 # A trainer that writes its checkpoint into /dev/shm and hands it over: the
@@ -143,10 +152,17 @@ def main() -> None:
                 extra = ["--consume-shm-files"]
             set_receiver(endpoint, verify_against=str(ckpt))
             t0 = time.perf_counter()
-            r = ckptctl("push", "--control-socket", sock, "--checkpoint-path",
-                        str(shm_dir if consume else ckpt), "--weight-version", f"v{i}",
-                        "--json", *extra)  # fmt: skip
-            seconds = time.perf_counter() - t0
+            if via == "python":
+                answer = client.push(ckpt, weight_version=f"v{i}", control_socket=sock, check=False)
+                seconds = time.perf_counter() - t0
+                r = subprocess.CompletedProcess(
+                    [], 0 if answer["ok"] else answer["exit_code"], json.dumps(answer), ""
+                )
+            else:
+                r = ckptctl("push", "--control-socket", sock, "--checkpoint-path",
+                            str(shm_dir if consume else ckpt), "--weight-version", f"v{i}",
+                            "--json", *extra)  # fmt: skip
+                seconds = time.perf_counter() - t0
             if r.returncode != 0:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     job.wait(timeout=30)  # when the job died, its last words are in the log
@@ -159,6 +175,7 @@ def main() -> None:
                 "push": i,
                 "checkpoint": ckpt.name,
                 "path": "/dev/shm, consumed" if consume else "disk (page cache)",
+                "via": via,
                 "shm_copy_s": None if copy_s is None else round(copy_s, 3),
                 "shm_files_left": sorted(os.listdir(shm_dir)) if consume else None,
                 "client_wall_s": round(seconds, 3),
@@ -198,7 +215,14 @@ def main() -> None:
                 shutil.rmtree(ckpt, ignore_errors=True)
             shutil.rmtree(shm_dir, ignore_errors=True)
 
-    disk = sorted(r["client_wall_s"] for r in pushes if r.get("shm_copy_s") is None)
+    def from_disk(via: str) -> list[dict[str, Any]]:
+        return [r for r in pushes if r.get("shm_copy_s") is None and r.get("via", "cli") == via]
+
+    disk = [r["client_wall_s"] for r in from_disk("cli")]
+    api = [r["client_wall_s"] for r in from_disk("python")]
+    in_job = [
+        float(r["result"].get("seconds") or 0) for r in from_disk("cli") + from_disk("python")
+    ]
     doc = {
         "model": args.model,
         "tp": args.tp,
@@ -210,12 +234,17 @@ def main() -> None:
         "gpu_memory_used_mib_before_serve": gpu_before,
         "median_push_s": statistics.median(disk) if disk else None,
         "median_push_after_first_s": statistics.median(disk[1:]) if len(disk) > 1 else None,
+        # ckptctl.client.push from the benchmark's own process: no CLI start-up per push
+        "median_api_push_s": statistics.median(api) if api else None,
+        # the job's own time per push (slowest rank), whichever client asked
+        "median_in_job_s": statistics.median(in_job[1:]) if len(in_job) > 1 else None,
         "pushes": pushes,
         "refused_push": refused,
         "status_at_end": status,
         "command": " ".join(cmd[2:]),
         "bench_command": f"python bench/bench_serve.py --model {args.model} --tp {args.tp} "
-        f"--pushes {args.pushes} --register-mode {args.register_mode} "
+        f"--pushes {args.pushes} --api-pushes {args.api_pushes} "
+        f"--register-mode {args.register_mode} "
         f"--consume-pushes {args.consume_pushes}"
         + (f" --extra '{args.extra}'" if args.extra else ""),
     }
@@ -241,7 +270,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"serve start-up (torchrun to control socket): {doc['serve_startup_s']:.2f} s; "
         f"exit code after POST /stop: {doc['serve_exit_code']}; refused push: {refused_text}.",
         "",
-        "| push | from | client wall s | split s | register s (read + pin, max rank) | gather s | "
+        "| push | from, via | client wall s | split s | register s (read + pin, max rank) | gather s | "
         "update s | bit-exact | GPU MiB used (per GPU) | serve rank RSS GB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -267,7 +296,8 @@ def markdown(doc: dict[str, Any]) -> str:
         pin = max((float(m.group(2)) for m in reads if m), default=None)
         read_text = f" ({read:.2f} + {pin:.2f})" if read is not None and pin is not None else ""
         lines.append(
-            f"| {row['push']} | {row.get('path', 'disk')} | {row['client_wall_s']:.2f} | "
+            f"| {row['push']} | {row.get('path', 'disk')}, {row.get('via', 'cli')} | "
+            f"{row['client_wall_s']:.2f} | "
             f"{stage('split')} | {stage('register')}{read_text} | "
             f"{stage('gather_metas')} | {stage('update')} | {row['bit_exact']} | "
             f"{row['gpu_memory_used_mib']} | "
@@ -276,9 +306,16 @@ def markdown(doc: dict[str, Any]) -> str:
     if doc.get("median_push_s") is not None:
         lines += [
             "",
-            f"**Median of the {sum(1 for r in doc['pushes'] if r.get('shm_copy_s') is None)} "
-            f"pushes from disk: {doc['median_push_s']:.2f} s** (after the first, which pins the "
+            f"**Median of the pushes from disk through `ckptctl push` (a process each): "
+            f"{doc['median_push_s']:.2f} s** (after the first, which pins the "
             f"pool: {doc['median_push_after_first_s'] or 0:.2f} s).",
+            "",
+        ]
+    if doc.get("median_api_push_s") is not None:
+        lines += [
+            f"**Median through `ckptctl.client.push` (from a Python process, as a training "
+            f"loop would): {doc['median_api_push_s']:.2f} s**; the job's own time per push "
+            f"(slowest rank, median after the first): {doc['median_in_job_s'] or 0:.2f} s.",
             "",
         ]
     consumed = [r for r in doc["pushes"] if r.get("shm_copy_s") is not None]

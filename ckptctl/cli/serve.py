@@ -41,11 +41,6 @@ from ckptctl.cli._options import (
 from ckptctl.cli._output import Output
 from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
 from ckptctl.errors import (
-    DeadlineExceeded,
-    ExitCode,
-    InvalidInput,
-    OperationFailed,
-    UsageError,
     redact,
 )
 
@@ -156,29 +151,6 @@ def serve_command(
     run_job_with_display(run_serve, opts, out)
 
 
-def _find(
-    control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
-) -> str:
-    from ckptctl.pipeline.serve.control import job_targets, resolve_socket
-
-    return resolve_socket(control_socket, job_targets(endpoint or [], uds or []), wait)
-
-
-def _call(
-    path: str, method: str, route: str, body: dict[str, Any] | None, timeout: float
-) -> dict[str, Any]:
-    from ckptctl.pipeline.serve.control import call
-
-    status, doc = call(path, method, route, body, timeout)
-    if status in (400, 409):  # a request this CLI should not have sent, or the wrong node
-        raise UsageError(f"the serve job on {path} refused: {doc.get('error')}")
-    if status != 200:
-        raise OperationFailed(
-            f"the serve job on {path} refused (HTTP {status}): {doc.get('error')}"
-        )
-    return doc
-
-
 def push_command(
     checkpoint_path: CheckpointPathOpt,
     weight_version: WeightVersionOpt = None,
@@ -213,29 +185,25 @@ def push_command(
     show_help: HelpOpt = False,
 ) -> None:
     """Push a checkpoint through a running `ckptctl serve` job on this node."""
+    from ckptctl import client
+
     out = Output(json_mode=json_output, quiet=quiet)
-    path = _find(control_socket, endpoint, uds, wait)
-    doc = _call(
-        path,
-        "POST",
-        "/push",
-        {
-            "checkpoint_path": str(checkpoint_path.resolve()),
-            "weight_version": weight_version,
-            "checkpoint_name": checkpoint_name,
-            "consume_shm_files": consume_shm_files,
-            "verify": verify,
-        },
-        timeout,
+    doc = client.push(
+        checkpoint_path,
+        weight_version=weight_version,
+        checkpoint_name=checkpoint_name,
+        consume_shm_files=consume_shm_files,
+        verify=verify,
+        control_socket=control_socket,
+        endpoint=endpoint or (),
+        uds=uds or (),
+        wait=wait,
+        timeout=timeout,
+        check=False,
     )
     if json_output:
         out.result(doc)
-    if not doc.get("ok"):
-        code = int(doc.get("exit_code") or ExitCode.FAILED)
-        error = doc.get("error") or "the push failed"
-        if code == ExitCode.INVALID_INPUT:
-            raise InvalidInput(error)
-        raise (DeadlineExceeded if code == ExitCode.TIMEOUT else OperationFailed)(error)
+    client.raise_if_failed(doc)
     out.log(
         f"pushed {checkpoint_path} (push {doc['seq']}, {doc.get('seconds') or 0:.2f}s; "
         f"server weights: {doc.get('server_weights')}"
@@ -253,13 +221,16 @@ def status_command(
     show_help: HelpOpt = False,
 ) -> None:
     """Show what a running `ckptctl serve` job on this node holds and did last."""
+    from ckptctl import client
+
     out = Output(json_mode=json_output, quiet=quiet)
-    path = _find(control_socket, endpoint, uds, wait)
-    doc = _call(path, "GET", "/status", None, 10.0)
+    doc = client.status(
+        control_socket=control_socket, endpoint=endpoint or (), uds=uds or (), wait=wait
+    )
     if json_output:
-        out.result({**doc, "exit_code": 0, "error": None, "control_socket": path})
+        out.result({**doc, "exit_code": 0, "error": None})
         return
-    out.show("\n".join(describe_status(doc, path)))
+    out.show("\n".join(describe_status(doc, doc["control_socket"])))
 
 
 def stop_command(
@@ -280,23 +251,16 @@ def stop_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Stop a running `ckptctl serve` job on this node: every rank ends cleanly .
+    """Stop a running `ckptctl serve` job on this node: every rank ends cleanly.
 
     A push under way finishes first; pushes still waiting fail.
     """
-    from ckptctl.pipeline.serve.control import answers
+    from ckptctl import client
 
     out = Output(json_mode=json_output, quiet=quiet)
-    path = _find(control_socket, endpoint, uds, 0.0)
-    _call(path, "POST", "/stop", None, 10.0)
-    deadline = time.monotonic() + wait
-    stopped = not wait
-    while wait and not stopped:
-        stopped = not answers(path)
-        if not stopped and time.monotonic() >= deadline:
-            raise DeadlineExceeded(f"the serve job on {path} still answers after {wait:g}s")
-        if not stopped:
-            time.sleep(0.2)
+    path = client.stop(
+        control_socket=control_socket, endpoint=endpoint or (), uds=uds or (), wait=wait
+    )
     if json_output:
         out.result(
             {

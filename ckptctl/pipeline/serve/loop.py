@@ -1,8 +1,9 @@
 """The loop every rank of a serve job runs: take the next command, run it, share the results.
 
 Commands come from the control socket of global rank 0's node (control.py) and reach every
-rank over the job's own gloo group (commands.py); the ranks tick together about ten times a
-second and run the same commands in the same order. Other nodes' control sockets answer
+rank over the job's own gloo group (commands.py); the ranks tick together - rank 0 sets the
+pace, about ten ticks a second and at once when a push comes in, the others wait in each
+tick - and run the same commands in the same order. Other nodes' control sockets answer
 `status` (this node's view, which every rank keeps: results go to every rank) and `stop`,
 and refuse `push` with the host to push on. A stop - `ckptctl stop` on any node, SIGTERM or
 SIGINT to any rank - travels in the next tick and ends every rank together.
@@ -270,8 +271,11 @@ class ServeLoop:
         job.watchdog.deadline = float("inf")  # serving is not bounded; each push is
         try:
             while True:
-                self._wake.wait(TICK_S)
-                self._wake.clear()
+                if self.rank == 0:
+                    # The others wait in the tick's all-reduce already: a push starts the
+                    # moment rank 0 takes it, not at the next of everyone's ticks.
+                    self._wake.wait(TICK_S)
+                    self._wake.clear()
                 with self._lock:
                     pending = self._queue[0] if self._queue else None
                     stop_reason = self._stop_reason

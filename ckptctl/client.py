@@ -1,0 +1,144 @@
+"""Drive a running `ckptctl serve` job from Python: what `ckptctl push`, `status` and `stop` do,
+without starting a process for each.
+
+A training loop is a Python process already; calling these saves each push the CLI's own
+start-up (0.25-0.5 s of imports: typer, pydantic, rich) and gives it the result as a dict:
+
+    from ckptctl.client import push
+
+    result = push("/ckpt/step-1200", weight_version="step-1200", wait=600)
+    print(result["seconds"], result["server_weights"])
+
+The job is found as the CLI finds it: `control_socket`, else the job that feeds `endpoint` /
+`uds`, else this user's only serve job on the node (ckptctl.pipeline.serve.control, which also
+checks who owns the socket and who listens on it). Failures raise ckptctl.errors.CkptctlError
+subclasses whose `exit_code` is what the CLI would exit with: InvalidInput (3: the checkpoint,
+or `verify` where the server cannot), DeadlineExceeded (4), OperationFailed (1: the push
+failed; the job goes on serving; NotAnswering, one of them: no serve job answers), UsageError
+(2: several jobs and none named). This module
+imports neither torch nor typer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ckptctl.errors import (
+    DeadlineExceeded,
+    ExitCode,
+    InvalidInput,
+    OperationFailed,
+    UsageError,
+)
+from ckptctl.pipeline.serve.control import NotAnswering
+
+__all__ = ["NotAnswering", "find_job", "push", "raise_if_failed", "status", "stop"]
+
+
+def find_job(
+    control_socket: str | None = None,
+    endpoint: Sequence[str] = (),
+    uds: Sequence[str] = (),
+    wait: float = 0.0,
+) -> str:
+    """The control socket of the serve job to talk to, waiting up to `wait` seconds for one to
+    answer (`serve &` and then the first push)."""
+    from ckptctl.pipeline.serve.control import job_targets, resolve_socket
+
+    return resolve_socket(control_socket, job_targets(list(endpoint), list(uds)), wait)
+
+
+def request(
+    path: str, method: str, route: str, body: dict[str, Any] | None, timeout: float
+) -> dict[str, Any]:
+    """One request to the job on `path`; a refusal raises."""
+    from ckptctl.pipeline.serve.control import call
+
+    code, doc = call(path, method, route, body, timeout)
+    if code in (400, 409):  # a request that should not have been sent, or the wrong node
+        raise UsageError(f"the serve job on {path} refused: {doc.get('error')}")
+    if code != 200:
+        raise OperationFailed(f"the serve job on {path} refused (HTTP {code}): {doc.get('error')}")
+    return doc
+
+
+def push(
+    checkpoint_path: str | os.PathLike[str],
+    *,
+    weight_version: str | None = None,
+    checkpoint_name: str | None = None,
+    consume_shm_files: bool = False,
+    verify: bool = False,
+    control_socket: str | None = None,
+    endpoint: Sequence[str] = (),
+    uds: Sequence[str] = (),
+    wait: float = 0.0,
+    timeout: float = 900.0,
+    check: bool = True,
+) -> dict[str, Any]:
+    """Push a checkpoint through the serve job and wait for it: the job's answer (`ok`,
+    `seconds`, `server_weights`, `verified`, every rank's figures...), which is also
+    `ckptctl push --json`'s. A push that ran and failed raises, with the job's own error line;
+    with check=False its answer is returned instead (ok false, exit_code, error)."""
+    path = find_job(control_socket, endpoint, uds, wait)
+    answer = request(
+        path,
+        "POST",
+        "/push",
+        {
+            "checkpoint_path": os.path.realpath(os.fspath(checkpoint_path)),
+            "weight_version": weight_version,
+            "checkpoint_name": checkpoint_name,
+            "consume_shm_files": consume_shm_files,
+            "verify": verify,
+        },
+        timeout,
+    )
+    return raise_if_failed(answer) if check else answer
+
+
+def raise_if_failed(answer: dict[str, Any]) -> dict[str, Any]:
+    """A push's answer when it succeeded; else its error, as the exception of its exit code."""
+    if answer.get("ok"):
+        return answer
+    code = int(answer.get("exit_code") or ExitCode.FAILED)
+    error = str(answer.get("error") or "the push failed")
+    if code == ExitCode.INVALID_INPUT:
+        raise InvalidInput(error)
+    raise (DeadlineExceeded if code == ExitCode.TIMEOUT else OperationFailed)(error)
+
+
+def status(
+    *,
+    control_socket: str | None = None,
+    endpoint: Sequence[str] = (),
+    uds: Sequence[str] = (),
+    wait: float = 0.0,
+) -> dict[str, Any]:
+    """What the serve job holds and did last (`ckptctl status --json`, less the envelope)."""
+    path = find_job(control_socket, endpoint, uds, wait)
+    return {**request(path, "GET", "/status", None, 10.0), "control_socket": path}
+
+
+def stop(
+    *,
+    control_socket: str | None = None,
+    endpoint: Sequence[str] = (),
+    uds: Sequence[str] = (),
+    wait: float = 0.0,
+) -> str:
+    """Ask the serve job to stop (a push under way finishes first); with `wait`, until it no
+    longer answers (DeadlineExceeded after `wait` seconds). Returns its control socket."""
+    from ckptctl.pipeline.serve.control import answers
+
+    path = find_job(control_socket, endpoint, uds, 0.0)
+    request(path, "POST", "/stop", None, 10.0)
+    deadline = time.monotonic() + wait
+    while wait and answers(path):
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"the serve job on {path} still answers after {wait:g}s")
+        time.sleep(0.2)
+    return path
