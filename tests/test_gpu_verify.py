@@ -124,3 +124,65 @@ def test_two_servers_agree_per_engine_and_a_corrupting_one_is_named(ckpt: Path) 
         failed = _failed(*_update([a.endpoint, b.endpoint], ckpt, "--verify"), FLIPPED)
         assert "hold different weights" in failed["error"]
         assert _mismatches(a) == [[]] and _mismatches(b) == [[FLIPPED]]
+
+
+def test_push_verify_through_a_serve_job_names_a_lost_tensor_and_keeps_serving(
+    ckpt: Path, short_tmp: Path
+) -> None:
+    """`push --verify` (here through ckptctl.client, as a training loop would call it): the
+    serve job proves each push with compare_checksum; a push whose tensor the server lost
+    fails with its name (exit 1's exception) and the job goes on serving."""
+    import os
+    import subprocess
+
+    from conftest import wait_for_path
+    from fake_server import torchrun_cmd
+
+    from ckptctl import client
+    from ckptctl.errors import OperationFailed
+
+    sock = str(short_tmp / "serve.sock")
+    with ReceiverServer(ckpt, [0], profile="sglang-pr17009") as rx:
+        job = subprocess.Popen(
+            torchrun_cmd(
+                "--no-python",
+                "ckptctl",
+                "serve",
+                "--control-socket",
+                sock,
+                "--inference-parallel-size",
+                "1",
+                "--endpoint",
+                rx.endpoint,
+                "--push-timeout",
+                "120",
+                "--bucket-size-gb",
+                "0.001",
+                nproc=1,
+            ),  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
+        )
+        try:
+            assert wait_for_path(sock, timeout=120), "the serve job never opened its socket"
+            first = client.push(ckpt, verify=True, control_socket=sock, wait=60, timeout=240)
+            assert first["verified"] == "checksum", first
+            assert first["verification"]["tensor_count"] == len(rx.headers)
+
+            rx.set_config(drop_tensor=LOST)
+            with pytest.raises(OperationFailed, match=LOST.replace(".", r"\.")):
+                client.push(ckpt, verify=True, control_socket=sock, timeout=240)
+            assert _mismatches(rx) == [[LOST]]
+
+            rx.set_config(drop_tensor=None)
+            again = client.push(ckpt, verify=True, control_socket=sock, timeout=240)
+            assert again["verified"] == "checksum" and again["server_weights"] == "whole"
+            _record("push-verify-checksum-tp1", {"verification": again["verification"]})
+            client.stop(control_socket=sock, wait=60)
+            _, err = job.communicate(timeout=60)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert job.returncode == 0, err[-3000:]
