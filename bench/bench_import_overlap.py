@@ -1,0 +1,155 @@
+"""Does reading (and pinning) a rank's share slow the `import torch` it overlaps? (GPU node)
+
+Every `torchrun ... ckptctl update` rank reads its share in a thread while the interpreter
+imports torch (stages.EarlyShare). Faulting in fresh memory (MADV_POPULATE_WRITE) and pinning
+(cuMemHostRegister) hold the process's mmap lock for reading, and every mmap of the import
+(dlopen, the allocator) waits for it. This runs, in pairs of fresh processes (two ranks at
+once, RANK 0 and 1), the time from the process's start to the end of `import torch` and to the
+share being ready (read, pinned, as tensors), for each way of overlapping:
+
+    none         import torch alone (the floor)
+    read         read into fresh memory, no population call, no pin
+    read-pop     read with MADV_POPULATE_WRITE per run (ckptctl's default fill), no pin
+    pin-after    read-pop, then pin through the runtime once torch is there (before 7cdc960)
+    pin-driver   read-pop, then pin through the driver before torch (pinning.DriverPin)
+    pin-driver-nopop  the same without the population call
+
+    python bench/bench_import_overlap.py --model qwen3-8b --reps 2 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ["none", "read", "read-pop", "pin-after", "pin-driver", "pin-driver-nopop"]
+
+
+def rank_main(path: str, mode: str, rank: int) -> None:
+    """One rank: start the overlap, import torch, wait for the share; print the times."""
+    started = time.perf_counter()
+    os.environ["RANK"] = str(rank)
+    reader = None
+    if mode != "none":
+        from ckptctl.checkpoint import plan_split, read_checkpoint
+        from ckptctl.pipeline import pinning
+
+        if mode in ("read", "pin-driver-nopop"):
+            pinning._Populate.__call__ = lambda self, run: None  # type: ignore[method-assign]
+        if mode == "pin-after":
+            pinning.DriverPin.for_rank = classmethod(lambda cls, rank: None)  # type: ignore[assignment]
+        checkpoint = read_checkpoint(path)
+        share = plan_split(checkpoint, 2, "tensors").ranks[rank]
+        reader = pinning.ShareReader(
+            checkpoint, list(share.tensors), pin=mode.startswith("pin"), rank=rank
+        )
+    import torch
+
+    imported = time.perf_counter() - started
+    ready = None
+    detail: dict[str, Any] = {}
+    if reader is not None:
+        reader.result()
+        ready = time.perf_counter() - started
+        detail = {
+            "read_s": reader.read_seconds,
+            "pin_s": reader.pin_seconds,
+            "pinned_before_torch": reader.pinned_before_torch,
+        }
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "rank": rank,
+                "import_torch_done_s": round(imported, 3),
+                "share_ready_s": None if ready is None else round(ready, 3),
+                **detail,
+            }
+        ),
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    ckpt = Path(args.workdir) / args.model
+    if args.rank is not None:
+        rank_main(str(ckpt), args.mode, args.rank)
+        return
+
+    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.insert(0, str(REPO / "tests"))
+    from bench_update import write_checkpoint
+
+    if not any(ckpt.glob("*.safetensors")):
+        write_checkpoint(ckpt, args.model)
+    for f in ckpt.iterdir():  # warm page cache
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+    rows: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        for mode in args.modes.split(","):
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--model",
+                        args.model,
+                        "--workdir",
+                        args.workdir,
+                        "--rank",
+                        str(r),
+                        "--mode",
+                        mode,
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )  # fmt: skip
+                for r in (0, 1)
+            ]
+            for p in procs:
+                out, _ = p.communicate(timeout=120)
+                for line in out.splitlines():
+                    if line.startswith("{"):
+                        rows.append({**json.loads(line), "rep": rep})
+                        print(line, flush=True)
+    summary = {}
+    for mode in args.modes.split(","):
+        mine = [r for r in rows if r["mode"] == mode]
+        summary[mode] = {
+            "import_torch_done_s": statistics.median(r["import_torch_done_s"] for r in mine),
+            "share_ready_s": statistics.median(r["share_ready_s"] or 0 for r in mine),
+            "ready_s": statistics.median(
+                max(r["import_torch_done_s"], r["share_ready_s"] or 0) for r in mine
+            ),
+        }
+    doc = {"model": args.model, "rows": rows, "median": summary}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"import-overlap-{args.model}.json").write_text(json.dumps(doc, indent=1))
+    for mode, s in summary.items():
+        print(f"{mode:18s} import done {s['import_torch_done_s']:.2f}s  share ready "
+              f"{s['share_ready_s']:.2f}s  both {s['ready_s']:.2f}s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
