@@ -40,15 +40,21 @@ __all__ = ["NotAnswering", "find_job", "push", "raise_if_failed", "status", "sto
 
 def find_job(
     control_socket: str | None = None,
-    endpoint: Sequence[str] = (),
-    uds: Sequence[str] = (),
+    endpoint: str | Sequence[str] = (),
+    uds: str | Sequence[str] = (),
     wait: float = 0.0,
 ) -> str:
     """The control socket of the serve job to talk to, waiting up to `wait` seconds for one to
     answer (`serve &` and then the first push)."""
     from ckptctl.pipeline.serve.control import job_targets, resolve_socket
 
-    return resolve_socket(control_socket, job_targets(list(endpoint), list(uds)), wait)
+    targets = job_targets(_as_list(endpoint), _as_list(uds))
+    return resolve_socket(control_socket, targets, wait)
+
+
+def _as_list(values: str | Sequence[str]) -> list[str]:
+    """One URL or path, or several (a lone string is one, never its characters)."""
+    return [values] if isinstance(values, str) else list(values)
 
 
 def request(
@@ -73,8 +79,8 @@ def push(
     consume_shm_files: bool = False,
     verify: bool = False,
     control_socket: str | None = None,
-    endpoint: Sequence[str] = (),
-    uds: Sequence[str] = (),
+    endpoint: str | Sequence[str] = (),
+    uds: str | Sequence[str] = (),
     wait: float = 0.0,
     timeout: float = 900.0,
     check: bool = True,
@@ -114,8 +120,8 @@ def raise_if_failed(answer: dict[str, Any]) -> dict[str, Any]:
 def status(
     *,
     control_socket: str | None = None,
-    endpoint: Sequence[str] = (),
-    uds: Sequence[str] = (),
+    endpoint: str | Sequence[str] = (),
+    uds: str | Sequence[str] = (),
     wait: float = 0.0,
 ) -> dict[str, Any]:
     """What the serve job holds and did last (`ckptctl status --json`, less the envelope)."""
@@ -126,8 +132,8 @@ def status(
 def stop(
     *,
     control_socket: str | None = None,
-    endpoint: Sequence[str] = (),
-    uds: Sequence[str] = (),
+    endpoint: str | Sequence[str] = (),
+    uds: str | Sequence[str] = (),
     wait: float = 0.0,
 ) -> str:
     """Ask the serve job to stop (a push under way finishes first); with `wait`, until it no

@@ -417,3 +417,26 @@ def test_a_job_feeding_several_servers_is_found_by_any_one_of_them(runtime_dir: 
         assert control.choose_socket([]) == path  # the only one
     finally:
         s.close()
+
+
+def test_the_python_client_takes_one_endpoint_as_a_string_and_picks_its_job(
+    runtime_dir: Path,
+) -> None:
+    """Two serve jobs on the node: `ckptctl.client.status(endpoint=URL)` talks to the one that
+    feeds URL (a lone string is one URL, not a list of its characters), as `--endpoint` does."""
+    from ckptctl import client
+
+    a, b = "http://127.0.0.1:30000", "http://127.0.0.1:30001"
+    servers = [
+        ControlServer(control.default_socket_path([t]), Calls([t]).handlers()).start()
+        for t in (a, b)
+    ]
+    try:
+        assert client.status(endpoint=b)["targets"] == [b]
+        assert client.status(endpoint=[a])["targets"] == [a]
+        assert client.find_job(endpoint=a + "/") == control.default_socket_path([a])
+        with pytest.raises(UsageError, match="2 serve jobs"):
+            client.status()
+    finally:
+        for server in servers:
+            server.close()
