@@ -39,15 +39,15 @@ def rank_main(path: str, mode: str, rank: int) -> None:
     os.environ["RANK"] = str(rank)
     reader = None
     if mode != "none":
-        from ckptctl.checkpoint import plan_split, read_checkpoint
         from ckptctl.pipeline import pinning
+        from ckptctl.pipeline.stages import read_and_plan
 
         if mode in ("read", "pin-driver-nopop"):
             pinning._Populate.__call__ = lambda self, run: None  # type: ignore[method-assign]
         if mode == "pin-after":
             pinning.DriverPin.for_rank = classmethod(lambda cls, rank: None)  # type: ignore[assignment]
-        checkpoint = read_checkpoint(path)
-        share = plan_split(checkpoint, 2, "tensors").ranks[rank]
+        checkpoint, plan = read_and_plan(path, 2, "tensors")  # as stages.EarlyShare plans
+        share = plan.ranks[rank]
         reader = pinning.ShareReader(
             checkpoint, list(share.tensors), pin=mode.startswith("pin"), rank=rank
         )

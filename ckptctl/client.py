@@ -15,8 +15,7 @@ checks who owns the socket and who listens on it). Failures raise ckptctl.errors
 subclasses whose `exit_code` is what the CLI would exit with: InvalidInput (3: the checkpoint,
 or `verify` where the server cannot), DeadlineExceeded (4), OperationFailed (1: the push
 failed; the job goes on serving; NotAnswering, one of them: no serve job answers), UsageError
-(2: several jobs and none named). This module
-imports neither torch nor typer.
+(2: several jobs and none named). This module imports neither torch nor typer.
 """
 
 from __future__ import annotations
