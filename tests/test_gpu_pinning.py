@@ -21,8 +21,11 @@ pytestmark = [pytest.mark.gpu]
 SCRIPT = r"""
 import ctypes, json, sys
 from ckptctl.checkpoint import read_checkpoint
+from ckptctl.pipeline import pinning
 from ckptctl.pipeline.pinning import ShareReader
 
+if sys.argv[2] == "other-gpu":  # as if the driver had picked another GPU than torch gives
+    pinning.DriverPin.is_torchs_gpu = lambda self, rank: False
 checkpoint = read_checkpoint(sys.argv[1])
 reader = ShareReader(checkpoint, list(checkpoint.tensors), threads=2, pin=True)
 buffers = reader.result()
@@ -52,21 +55,31 @@ for b in buffers:
         same += bool(torch.equal(got, want))
 unpinned = [torch.cuda.cudart().cudaHostUnregister(b.buffer.data_ptr()) for b in buffers]
 print(json.dumps({
+    "pinned_by_driver": reader.pinned_by_driver,
     "pinned_before_torch": reader.pinned_before_torch,
     "flags": flags, "same": same, "tensors": len(expected), "unpinned": [int(u) for u in unpinned],
 }))
 """
 
 
-def test_driver_pin_is_what_checkpoint_engine_expects(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["same-gpu", "other-gpu"])
+def test_driver_pin_is_what_checkpoint_engine_expects(tmp_path: Path, case: str) -> None:
+    """same-gpu: pinned through the driver before torch was imported. other-gpu: the driver's
+    pins are undone and the buffers pinned again through torch's runtime, the same way."""
     mixed = mixed_tensors(seed=3)
     ckpt = write_real_checkpoint(tmp_path / "ckpt", [mixed])
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(ckpt)], capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", SCRIPT, str(ckpt), case],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads(run.stdout.strip().splitlines()[-1])
-    assert doc["pinned_before_torch"], doc
+    if case == "same-gpu":
+        assert doc["pinned_by_driver"] and doc["pinned_before_torch"], doc
+    else:
+        assert not doc["pinned_by_driver"] and not doc["pinned_before_torch"], doc
     # checkpoint-engine's _unpin: cudaHostGetFlags succeeds and says 0x02 (mapped, by UVA).
     assert doc["flags"] and all(f == [0, 2] for f in doc["flags"]), doc
     assert doc["same"] == doc["tensors"] == len(mixed), doc

@@ -136,13 +136,16 @@ def test_push_verify_through_a_serve_job_names_a_lost_tensor_and_keeps_serving(
     import subprocess
 
     from conftest import wait_for_path
-    from fake_server import torchrun_cmd
+    from fake_server import free_master_port, torchrun_cmd
+    from test_gpu_update import _kill_tree
 
     from ckptctl import client
     from ckptctl.errors import OperationFailed
 
     sock = str(short_tmp / "serve.sock")
-    with ReceiverServer(ckpt, [0], profile="sglang-pr17009") as rx:
+    log = short_tmp / "serve.log"  # (a file, not a pipe nobody reads while the job runs)
+    port = free_master_port()
+    with ReceiverServer(ckpt, [0], profile="sglang-pr17009") as rx, log.open("w") as log_file:
         job = subprocess.Popen(
             torchrun_cmd(
                 "--no-python",
@@ -159,12 +162,15 @@ def test_push_verify_through_a_serve_job_names_a_lost_tensor_and_keeps_serving(
                 "--bucket-size-gb",
                 "0.001",
                 nproc=1,
+                port=port,
             ),  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
             text=True,
             env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
+            start_new_session=True,
         )
+        job.master_port = port  # type: ignore[attr-defined] - names its ranks for _kill_tree
         try:
             assert wait_for_path(sock, timeout=120), "the serve job never opened its socket"
             first = client.push(ckpt, verify=True, control_socket=sock, wait=60, timeout=240)
@@ -181,8 +187,8 @@ def test_push_verify_through_a_serve_job_names_a_lost_tensor_and_keeps_serving(
             assert again["verified"] == "checksum" and again["server_weights"] == "whole"
             _record("push-verify-checksum-tp1", {"verification": again["verification"]})
             client.stop(control_socket=sock, wait=60)
-            _, err = job.communicate(timeout=60)
+            job.wait(timeout=60)
         finally:
             if job.poll() is None:
-                job.kill()
-    assert job.returncode == 0, err[-3000:]
+                _kill_tree(job)  # torchrun and its rank, which has a session of its own
+    assert job.returncode == 0, log.read_text()[-3000:]

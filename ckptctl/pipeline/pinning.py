@@ -31,6 +31,7 @@ import gc
 import itertools
 import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -418,18 +419,21 @@ class DriverPin:
     `pin_in_place` does, so that checkpoint-engine's unpinning finds what it expects.
 
     `for_rank` returns None where there is no driver or no GPU: the caller pins the usual way
-    once torch is there. `same_gpu_as_torch` checks afterwards that the driver's device is the
-    one torch gives the rank (by PCI address); if not, the caller unpins and pins again.
+    once torch is there. `is_torchs_gpu` checks afterwards that the driver's device is the one
+    torch gives the rank (same ordinal, same PCI address); if not, the caller unpins and
+    `release`s the context here (it would hold memory on another rank's GPU) and pins again.
     """
 
     _SUCCESS = 0
     _PCI_BUS_ID, _PCI_DEVICE_ID, _PCI_DOMAIN_ID = 33, 34, 50  # CUdevice_attribute
 
-    def __init__(self, lib: Any, register: Any, device: int, ordinal: int) -> None:
+    def __init__(self, lib: Any, register: Any, release: Any, device: int, ordinal: int) -> None:
         self._lib = lib
         self._register = register
+        self._release = release
         self.device = device
         self.ordinal = ordinal
+        self.pinned: list[int] = []  # the addresses pinned here, in order
 
     @classmethod
     def for_rank(cls, rank: int) -> DriverPin | None:
@@ -448,10 +452,14 @@ class DriverPin:
             device = c_int(0)
             if lib.cuDeviceGet(ctypes.byref(device), ordinal) != cls._SUCCESS:
                 return None
+            release = getattr(lib, "cuDevicePrimaryCtxRelease_v2", None)
+            release = release or lib.cuDevicePrimaryCtxRelease
+            release.argtypes = [c_int]
             context = ctypes.c_void_p()
             if lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) != cls._SUCCESS:
                 return None
             if lib.cuCtxSetCurrent(context) != cls._SUCCESS:  # (this thread only)
+                release(device)
                 return None
             register = getattr(lib, "cuMemHostRegister_v2", None) or lib.cuMemHostRegister
             register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
@@ -459,14 +467,25 @@ class DriverPin:
             lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
         except AttributeError:  # a driver without one of these calls
             return None
-        return cls(lib, register, device.value, ordinal)
+        return cls(lib, register, release, device.value, ordinal)
 
     def pin(self, address: int, size: int) -> bool:
         """cuMemHostRegister with flags 0 (checkpoint-engine's unpinning reads them back)."""
-        return bool(size) and self._register(address, size, 0) == self._SUCCESS
+        if not size or self._register(address, size, 0) != self._SUCCESS:
+            return False
+        self.pinned.append(address)
+        return True
 
-    def unpin(self, address: int) -> None:
-        self._lib.cuMemHostUnregister(address)
+    def unpin_all(self) -> None:
+        """Undo every `pin` (errors ignored: this only runs on the way out of a failure)."""
+        for address in self.pinned:
+            self._lib.cuMemHostUnregister(address)
+        self.pinned = []
+
+    def release(self) -> None:
+        """Drop this thread's hold on the device's primary context (after `unpin_all`)."""
+        self._lib.cuCtxSetCurrent(None)
+        self._release(self.device)
 
     def pci_address(self) -> tuple[int, int, int]:
         values = []
@@ -476,12 +495,29 @@ class DriverPin:
             values.append(value.value)
         return values[0], values[1], values[2]
 
-    def same_gpu_as_torch(self) -> bool:
+    def is_torchs_gpu(self, rank: int) -> bool:
+        """Whether torch gives `rank` this device: the same ordinal by torch's count (which
+        may come from NVML) and the same PCI address. Any error says no."""
         import torch
 
-        props = torch.cuda.get_device_properties(self.ordinal)
+        from ckptctl.pipeline.process_group import local_device_index
+
+        try:
+            index = local_device_index(rank)
+            props = torch.cuda.get_device_properties(index)
+        except (RuntimeError, AssertionError, ZeroDivisionError):
+            return False
         names = ("pci_domain_id", "pci_bus_id", "pci_device_id")  # (torch >= 2.4 has them)
-        return tuple(getattr(props, n, None) for n in names) == self.pci_address()
+        pci = tuple(getattr(props, n, None) for n in names)
+        return index == self.ordinal and pci == self.pci_address()
+
+
+def torch_is_imported() -> bool:
+    """Whether `import torch` has finished (a module being imported is in sys.modules already,
+    its spec marked as initializing)."""
+    module = sys.modules.get("torch")
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
 
 
 def address_of(memory: Any) -> int:
@@ -612,8 +648,10 @@ class ShareReader:
         self.read_seconds: float | None = None
         self.pin_seconds: float | None = None
         self._error: BaseException | None = None
-        self._driver: DriverPin | None = None  # when the buckets were pinned before torch
+        self._driver: DriverPin | None = None  # when the buckets were pinned through it
         self._driver_pinned: list[int] = []
+        self._gpu_rank = int(os.environ.get("RANK", "0"))  # (checkpoint-engine's GPU rule)
+        self.pinned_before_torch = False  # ... and before `import torch` had finished
         # A daemon thread (not an executor's): a rank that fails meanwhile exits without
         # waiting for the read.
         self._thread = threading.Thread(
@@ -651,12 +689,13 @@ class ShareReader:
                 as_tensor(m, b.size) for m, b in zip(self._memory, self.buckets, strict=True)
             ]
             self._memory = []  # the tensors keep the memory alive
-        if self._driver is not None and not self._driver.same_gpu_as_torch():
+        if self._driver is not None and not self._driver.is_torchs_gpu(self._gpu_rank):
             # Not the GPU torch gives this rank: pin again below, in the right context.
+            self._driver.unpin_all()
+            self._driver.release()
             for i in self._driver_pinned:
-                self._driver.unpin(self._buffers[i].data_ptr())
                 self._pinned[i] = False
-            self._driver_pinned = []
+            self._driver, self._driver_pinned = None, []
         if self._pin:
             if any(b.size and not p for b, p in zip(self.buckets, self._pinned, strict=True)):
                 _use_this_ranks_gpu()
@@ -683,18 +722,19 @@ class ShareReader:
         todo = [i for i, b in enumerate(self.buckets) if b.size and not self._pinned[i]]
         if not todo:
             return
-        driver = DriverPin.for_rank(int(os.environ.get("RANK", "0")))
+        driver = DriverPin.for_rank(self._gpu_rank)
         if driver is None:
             return
         self._driver = driver
         for i in todo:
             if not driver.pin(address_of(self._memory[i]), self.buckets[i].size):
-                return  # (e.g. out of lockable memory: the runtime's error says it below)
+                break  # (e.g. out of lockable memory: the runtime's error says it below)
             self._pinned[i] = True
             self._driver_pinned.append(i)
+        self.pinned_before_torch = bool(self._driver_pinned) and not torch_is_imported()
 
     @property
-    def pinned_before_torch(self) -> bool:
+    def pinned_by_driver(self) -> bool:
         return bool(self._driver_pinned)
 
     def result(self) -> list[Any]:
@@ -716,6 +756,9 @@ class ShareReader:
     def _abandon(self) -> None:
         """After a failed read or pin: pinned memory goes back to the pool or is unpinned, so
         that a failed push neither leaks it nor leaves an unpinned buffer in the pool."""
+        if self._driver is not None and not self._buffers:  # failed before the tensors
+            self._driver.unpin_all()
+            return
         for buffer, pinned in zip(self._buffers, self._pinned, strict=False):
             if self._pool is not None:
                 self._pool.release(buffer, pinned)

@@ -241,7 +241,8 @@ def register_share(
             session.register_buffers(name, reader.result())
             st.detail += (
                 f" (read {reader.read_seconds:.2f}s + pin {reader.pin_seconds or 0:.2f}s"
-                f"{' before torch' if reader.pinned_before_torch else ''}, "
+                f"{' through the driver' if reader.pinned_by_driver else ''}"
+                f"{', before torch' if reader.pinned_before_torch else ''}, "
                 f"in the background, {reader.threads} reader threads)"
             )
             return
