@@ -676,7 +676,10 @@ class ShareReader:
             self.buckets,
             self._targets,
             self.threads,
-            fresh=self._pool is None,
+            # Populating fresh memory ahead of the read holds the mmap lock that `import
+            # torch` needs; when the pages are pinned right after, the pin faults them in
+            # anyway (bench/results/import-overlap-qwen3-8b.md).
+            fresh=self._pool is None and not self._pin,
             on_read=self._on_read,
         )
         self._targets = []
