@@ -15,12 +15,44 @@ import pytest
 import torch
 from ckpt_factory import write_real_checkpoint
 from conftest import run_script, wait_for_path
-from fake_server import torchrun_cmd
+from fake_server import free_master_port, torchrun_cmd
 from gpu_receiver import ReceiverServer
+from test_gpu_update import _kill_tree
 
 # GPU memory is read for the whole device (nvidia-smi): no other GPU test beside these.
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_serial]
 RESULTS = os.environ.get("CKPTCTL_GPU_RESULTS")
+
+
+def start_serve_job(endpoint: str, sock: str, log: Path, *flags: str) -> subprocess.Popen[str]:
+    """`torchrun ... ckptctl serve` with one rank, feeding `endpoint`, its control socket at
+    `sock` and its output in the file `log` (never a pipe nobody reads while it runs). Its rank
+    has a session of its own: end a job that is still running with `_kill_tree(job)`."""
+    port = free_master_port()
+    with log.open("w") as out:  # (the job keeps its own copy of the descriptor)
+        job = subprocess.Popen(
+            torchrun_cmd(
+                "--no-python",
+                "ckptctl",
+                "serve",
+                "--control-socket",
+                sock,
+                "--inference-parallel-size",
+                "1",
+                "--endpoint",
+                endpoint,
+                *flags,
+                nproc=1,
+                port=port,
+            ),  # fmt: skip
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
+            start_new_session=True,
+        )
+    job.master_port = port  # type: ignore[attr-defined] - names its ranks for _kill_tree
+    return job
 
 
 def _checkpoint(root: Path, seed: int) -> Path:
@@ -57,27 +89,15 @@ def test_ten_pushes_in_a_row_each_bit_exact(
 ) -> None:
     ckpts = [_checkpoint(tmp_path / f"ck{i}", seed=i) for i in range(3)]
     sock = str(short_tmp / "serve.sock")
+    log = short_tmp / "serve.log"
     with ReceiverServer(ckpts[0], [0]) as rx:
-        job = subprocess.Popen(
-            torchrun_cmd(
-                "--no-python",
-                "ckptctl",
-                "serve",
-                "--control-socket",
-                sock,
-                "--inference-parallel-size",
-                "1",
-                "--endpoint",
-                rx.endpoint,
-                "--push-timeout",
-                "120",
-                *(["--register-mode", register_mode] if register_mode else []),
-                nproc=1,
-            ),  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
+        job = start_serve_job(
+            rx.endpoint,
+            sock,
+            log,
+            "--push-timeout",
+            "120",
+            *(["--register-mode", register_mode] if register_mode else []),
         )
         try:
             deadline = time.monotonic() + 120
@@ -131,11 +151,11 @@ def test_ten_pushes_in_a_row_each_bit_exact(
                     assert grown < 1024, f"GPU memory grew by {grown} MiB after a refused push"
             with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
                 client.post("http://serve/stop")
-            out, err = job.communicate(timeout=60)
+            job.wait(timeout=60)
         finally:
             if job.poll() is None:
-                job.kill()
-    assert job.returncode == 0, err[-3000:]
+                _kill_tree(job)
+    assert job.returncode == 0, log.read_text()[-3000:]
     if RESULTS:
         with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
             doc = {"test": f"serve: {pushes} pushes, {register_mode or 'direct'}"}
@@ -168,27 +188,10 @@ def test_failed_pushes_give_their_gpu_memory_back(tmp_path: Path, short_tmp: Pat
         data_len=6,
     )
     sock = str(short_tmp / "serve.sock")
+    log = short_tmp / "serve.log"
     record: dict[str, object] = {"test": "serve: failed pushes give GPU memory back"}
     with ReceiverServer(good, [0]) as rx:
-        job = subprocess.Popen(
-            torchrun_cmd(
-                "--no-python",
-                "ckptctl",
-                "serve",
-                "--control-socket",
-                sock,
-                "--inference-parallel-size",
-                "1",
-                "--endpoint",
-                rx.endpoint,
-                "--push-timeout",
-                "120",
-                nproc=1,
-            ),  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        job = start_serve_job(rx.endpoint, sock, log, "--push-timeout", "120")
         try:
             assert wait_for_path(sock, timeout=120), "the serve job never opened its socket"
 
@@ -222,11 +225,11 @@ def test_failed_pushes_give_their_gpu_memory_back(tmp_path: Path, short_tmp: Pat
             assert all(not w["mismatches"] and not w["missing"] for w in report["workers"])
             with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
                 client.post("http://serve/stop")
-            _, err = job.communicate(timeout=60)
+            job.wait(timeout=60)
         finally:
             if job.poll() is None:
-                job.kill()
-    assert job.returncode == 0, err[-3000:]
+                _kill_tree(job)
+    assert job.returncode == 0, log.read_text()[-3000:]
     if RESULTS:
         with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
             fh.write(json.dumps(record) + "\n")
@@ -241,29 +244,11 @@ def test_a_push_failing_in_bucket_1_is_partial_and_the_next_push_makes_it_whole(
     is bit-exact and `status` says "whole" again."""
     ckpts = [_checkpoint(tmp_path / f"ck{i}", seed=20 + i) for i in range(2)]
     sock = str(short_tmp / "serve.sock")
+    log = short_tmp / "serve.log"
     with ReceiverServer(ckpts[0], [0]) as rx:
-        job = subprocess.Popen(
-            torchrun_cmd(
-                "--no-python",
-                "ckptctl",
-                "serve",
-                "--control-socket",
-                sock,
-                "--inference-parallel-size",
-                "1",
-                "--endpoint",
-                rx.endpoint,
-                "--push-timeout",
-                "120",
-                # 1 MiB buckets: the 1 MiB tensors of _checkpoint take several.
-                "--bucket-size-gb",
-                "0.001",
-                nproc=1,
-            ),  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
+        # 1 MiB buckets: the 1 MiB tensors of _checkpoint take several.
+        job = start_serve_job(
+            rx.endpoint, sock, log, "--push-timeout", "120", "--bucket-size-gb", "0.001"
         )
 
         def push(ck: Path, version: str) -> subprocess.CompletedProcess[str]:
@@ -306,8 +291,8 @@ def test_a_push_failing_in_bucket_1_is_partial_and_the_next_push_makes_it_whole(
 
             stop = run_script("stop", "--control-socket", sock, "--wait", "60", timeout=90)
             assert stop.returncode == 0, stop.stderr
-            _, err = job.communicate(timeout=60)
+            job.wait(timeout=60)
         finally:
             if job.poll() is None:
-                job.kill()
-    assert job.returncode == 0, err[-3000:]
+                _kill_tree(job)
+    assert job.returncode == 0, log.read_text()[-3000:]

@@ -132,45 +132,20 @@ def test_push_verify_through_a_serve_job_names_a_lost_tensor_and_keeps_serving(
     """`push --verify` (here through ckptctl.client, as a training loop would call it): the
     serve job proves each push with compare_checksum; a push whose tensor the server lost
     fails with its name (exit 1's exception) and the job goes on serving."""
-    import os
-    import subprocess
 
     from conftest import wait_for_path
-    from fake_server import free_master_port, torchrun_cmd
+    from test_gpu_serve import start_serve_job
     from test_gpu_update import _kill_tree
 
     from ckptctl import client
     from ckptctl.errors import OperationFailed
 
     sock = str(short_tmp / "serve.sock")
-    log = short_tmp / "serve.log"  # (a file, not a pipe nobody reads while the job runs)
-    port = free_master_port()
-    with ReceiverServer(ckpt, [0], profile="sglang-pr17009") as rx, log.open("w") as log_file:
-        job = subprocess.Popen(
-            torchrun_cmd(
-                "--no-python",
-                "ckptctl",
-                "serve",
-                "--control-socket",
-                sock,
-                "--inference-parallel-size",
-                "1",
-                "--endpoint",
-                rx.endpoint,
-                "--push-timeout",
-                "120",
-                "--bucket-size-gb",
-                "0.001",
-                nproc=1,
-                port=port,
-            ),  # fmt: skip
-            stdout=subprocess.DEVNULL,
-            stderr=log_file,
-            text=True,
-            env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
-            start_new_session=True,
+    log = short_tmp / "serve.log"
+    with ReceiverServer(ckpt, [0], profile="sglang-pr17009") as rx:
+        job = start_serve_job(
+            rx.endpoint, sock, log, "--push-timeout", "120", "--bucket-size-gb", "0.001"
         )
-        job.master_port = port  # type: ignore[attr-defined] - names its ranks for _kill_tree
         try:
             assert wait_for_path(sock, timeout=120), "the serve job never opened its socket"
             first = client.push(ckpt, verify=True, control_socket=sock, wait=60, timeout=240)
