@@ -7,12 +7,14 @@ imports torch (stages.EarlyShare). Faulting in fresh memory (MADV_POPULATE_WRITE
 once, RANK 0 and 1), the time from the process's start to the end of `import torch` and to the
 share being ready (read, pinned, as tensors), for each way of overlapping:
 
-    none         import torch alone (the floor)
-    read         read into fresh memory, no population call, no pin
-    read-pop     read with MADV_POPULATE_WRITE per run (ckptctl's default fill), no pin
-    pin-after    read-pop, then pin through the runtime once torch is there (before 7cdc960)
-    pin-driver   read-pop, then pin through the driver before torch (pinning.DriverPin)
-    pin-driver-nopop  the same without the population call
+    none              import torch alone (the floor)
+    read              read into fresh memory, no population call, no pin
+    read-pop          read with MADV_POPULATE_WRITE per run (a CPU-only read's fill), no pin
+    read-huge         read-pop into memory asked for in huge pages (MADV_HUGEPAGE)
+    pin-driver-pop    read-pop, then pin through the driver before torch (7cdc960)
+    pin-driver        the same without the population call (ckptctl now)
+    pin-driver-huge   pin-driver into memory asked for in huge pages
+    pin-after         read-pop, then pin through the runtime once torch is there (before 7cdc960)
 
     python bench/bench_import_overlap.py --model qwen3-8b --reps 2 --out DIR
 """
@@ -20,7 +22,9 @@ share being ready (read, pinned, as tensors), for each way of overlapping:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -30,7 +34,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ["none", "read", "read-pop", "pin-after", "pin-driver", "pin-driver-nopop"]
+MODES = [
+    "none",
+    "read",
+    "read-pop",
+    "read-huge",
+    "pin-driver-pop",
+    "pin-driver",
+    "pin-driver-huge",
+    "pin-after",
+]
 
 
 def rank_main(path: str, mode: str, rank: int) -> None:
@@ -42,8 +55,21 @@ def rank_main(path: str, mode: str, rank: int) -> None:
         from ckptctl.pipeline import pinning
         from ckptctl.pipeline.stages import read_and_plan
 
-        if mode in ("read", "pin-driver-nopop"):
+        if mode == "read":
             pinning._Populate.__call__ = lambda self, run: None  # type: ignore[method-assign]
+        if mode in ("pin-driver-pop", "pin-after"):  # the population call ahead of the pin
+            fill = pinning.fill
+            pinning.fill = lambda *a, **k: fill(*a, **{**k, "fresh": True})  # type: ignore[assignment]
+        if mode.endswith("-huge"):
+            anonymous = pinning.anonymous_memory
+
+            def huge(size: int) -> Any:
+                memory = anonymous(size)
+                if size > 0:
+                    memory.madvise(mmap.MADV_HUGEPAGE)
+                return memory
+
+            pinning.anonymous_memory = huge  # type: ignore[assignment]
         if mode == "pin-after":
             pinning.DriverPin.for_rank = classmethod(lambda cls, rank: None)  # type: ignore[assignment]
         checkpoint, plan = read_and_plan(path, 2, "tensors")  # as stages.EarlyShare plans
@@ -78,6 +104,16 @@ def rank_main(path: str, mode: str, rank: int) -> None:
         ),
         flush=True,
     )
+
+
+def system_facts() -> dict[str, str]:
+    """The kernel and its transparent huge page settings (what MADV_HUGEPAGE can get)."""
+    facts = {"kernel": os.uname().release}
+    for name in ("enabled", "defrag"):
+        with contextlib.suppress(OSError):
+            path = f"/sys/kernel/mm/transparent_hugepage/{name}"
+            facts[f"thp_{name}"] = Path(path).read_text().strip()
+    return facts
 
 
 def main() -> None:
@@ -136,19 +172,24 @@ def main() -> None:
     summary = {}
     for mode in args.modes.split(","):
         mine = [r for r in rows if r["mode"] == mode]
+        if not mine:
+            continue  # (every run of it failed: its errors are above)
         summary[mode] = {
             "import_torch_done_s": statistics.median(r["import_torch_done_s"] for r in mine),
             "share_ready_s": statistics.median(r["share_ready_s"] or 0 for r in mine),
             "ready_s": statistics.median(
                 max(r["import_torch_done_s"], r["share_ready_s"] or 0) for r in mine
             ),
+            "read_s": statistics.median(r.get("read_s") or 0 for r in mine),
+            "pin_s": statistics.median(r.get("pin_s") or 0 for r in mine),
         }
-    doc = {"model": args.model, "rows": rows, "median": summary}
+    doc = {"model": args.model, "rows": rows, "median": summary, "system": system_facts()}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"import-overlap-{args.model}.json").write_text(json.dumps(doc, indent=1))
     for mode, s in summary.items():
         print(f"{mode:18s} import done {s['import_torch_done_s']:.2f}s  share ready "
-              f"{s['share_ready_s']:.2f}s  both {s['ready_s']:.2f}s")  # fmt: skip
+              f"{s['share_ready_s']:.2f}s  both {s['ready_s']:.2f}s  read {s['read_s']:.2f}s  "
+              f"pin {s['pin_s']:.2f}s")  # fmt: skip
 
 
 if __name__ == "__main__":
