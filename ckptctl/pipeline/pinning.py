@@ -699,6 +699,7 @@ class ShareReader:
             for i in self._driver_pinned:
                 self._pinned[i] = False
             self._driver, self._driver_pinned = None, []
+            self.pinned_before_torch = False
         if self._pin:
             if any(b.size and not p for b, p in zip(self.buckets, self._pinned, strict=True)):
                 _use_this_ranks_gpu()
