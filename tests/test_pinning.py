@@ -427,3 +427,17 @@ def test_fresh_memory_is_populated_run_by_run_and_a_kernel_without_it_is_skipped
     for t, off in buckets[0].placed:
         want = expected[t.name].reshape(-1).view(torch.uint8)
         assert bytes(memory[0][off : off + t.nbytes]) == bytes(want.numpy()), t.name
+
+
+def test_the_first_import_of_torch_is_timed_once() -> None:
+    """A one-process job's first `import torch` falls in its start stage, which says so
+    (stages.start_parameter_server): timed where torch was not imported yet, None after."""
+    code = (
+        "from ckptctl.pipeline.pinning import import_torch, torch_is_imported\n"
+        "before = torch_is_imported()\n"
+        "first, second = import_torch(), import_torch()\n"
+        "print(before, first is not None and first > 0, second, torch_is_imported())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "True", "None", "True"]

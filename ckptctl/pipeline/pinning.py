@@ -520,6 +520,17 @@ def torch_is_imported() -> bool:
     return module is not None and not getattr(spec, "_initializing", False)
 
 
+def import_torch() -> float | None:
+    """Import torch; the seconds that took (or that waiting for another thread's import took),
+    None where it had been imported already."""
+    if torch_is_imported():
+        return None
+    started = time.perf_counter()
+    import torch  # noqa: F401
+
+    return time.perf_counter() - started
+
+
 def address_of(memory: Any) -> int:
     """Where a writable buffer (an anonymous mapping) starts."""
     view = ctypes.c_char.from_buffer(memory)

@@ -166,8 +166,14 @@ def check_same_plan(job: Job, plan: Any, checkpoint_path: str) -> None:
 
 def start_parameter_server(job: Job, *, p2p: str) -> Any:
     from ckptctl.pipeline.parameter_server import ParameterServerSession
+    from ckptctl.pipeline.pinning import import_torch
 
-    with job.reporter.stage("start", "starting checkpoint-engine's parameter server"):
+    with job.reporter.stage("start", "starting checkpoint-engine's parameter server") as st:
+        # A job of one process has joined no store yet, so its first `import torch` (3 s on
+        # the H200 machine) falls here: say so, else it reads as a slow start.
+        import_seconds = import_torch()
+        if import_seconds is not None:
+            st.detail = f"{import_seconds:.2f}s of it importing torch, this process's first"
         return ParameterServerSession(
             p2p=p2p,
             io_timeout=job.watchdog.remaining,
