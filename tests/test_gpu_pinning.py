@@ -28,6 +28,7 @@ if sys.argv[2] == "other-gpu":  # as if the driver had picked another GPU than t
     pinning.DriverPin.is_torchs_gpu = lambda self, rank: False
 checkpoint = read_checkpoint(sys.argv[1])
 reader = ShareReader(checkpoint, list(checkpoint.tensors), threads=2, pin=True)
+reader.wait()  # (result() imports torch: first let the reading thread pin, torch not imported)
 buffers = reader.result()
 import torch
 from safetensors.torch import load_file

@@ -128,8 +128,9 @@ def _kill_tree(proc: subprocess.Popen[str]) -> None:
 
 
 def _ckptctl_pids(rank: int | None = None, *, master_port: int) -> list[int]:
-    """The ranks of the job on `master_port` (GPU tests run four at a time: never another
-    test's ranks - a search by rank alone once killed the rank of a test running beside)."""
+    """The ranks of the job on `master_port`, whatever their command (update, serve, ...); GPU
+    tests run four at a time: never another test's ranks - a search by rank alone once killed
+    the rank of a test running beside."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -141,7 +142,6 @@ def _ckptctl_pids(rank: int | None = None, *, master_port: int) -> list[int]:
             continue
         if (
             b"ckptctl" in cmd
-            and b"update" in cmd
             and b"torch.distributed.run" not in cmd
             and f"MASTER_PORT={master_port}".encode() in env
             and (rank is None or f"RANK={rank}".encode() in env)

@@ -3,6 +3,7 @@ read into place, for every dtype; pinning itself needs CUDA (GPU tests)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -441,3 +442,24 @@ def test_the_first_import_of_torch_is_timed_once() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["False", "True", "None", "True"]
+
+
+def test_torch_being_imported_is_not_imported_yet(tmp_path: Path) -> None:
+    """The "before torch" label (and the start stage's timing) hang on this: a torch whose
+    import is under way - in sys.modules already - is not imported yet."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "from ckptctl.pipeline.pinning import torch_is_imported\nDURING = torch_is_imported()\n"
+    )
+    code = (
+        "from ckptctl.pipeline.pinning import torch_is_imported\n"
+        "import torch\n"
+        "print(torch.DURING, torch_is_imported())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "True"]
