@@ -459,6 +459,15 @@ def main() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def row(label: str, cells: Any) -> str:
+    """One markdown table row: the label, then each cell."""
+    return f"| {label} | " + " | ".join(str(c) for c in cells) + " |"
+
+
+def gb_s(by_threads: dict[Any, float]) -> list[str]:
+    return [f"{v:.2f}" for v in by_threads.values()]
+
+
 def markdown(doc: dict[str, Any]) -> str:
     s, r, g, u, imp = doc["split"], doc["read"], doc["gather"], doc["update"], doc["imports"]
     m = doc["machine"]
@@ -489,20 +498,15 @@ def markdown(doc: dict[str, Any]) -> str:
         f"## read (rank 0's share: {r['share_bytes'] / 1e9:.2f} GB, {ours['tensors']} tensors, "
         f"{ours['requests']} preadv requests)",
         "",
-        "| threads | " + " | ".join(str(n) for n in r["warm_limit_gb_s"]) + " |",
-        "| --- | " + " | ".join("---" for _ in r["warm_limit_gb_s"]) + " |",
-        "| page cache limit, GB/s (own buffer) | "
-        + " | ".join(f"{v:.2f}" for v in r["warm_limit_gb_s"].values())
-        + " |",
-        "| page cache limit, GB/s (fresh memory) | "
-        + " | ".join(f"{v:.2f}" for v in r["warm_limit_fresh_memory_gb_s"].values())
-        + " |",
-        "| ckptctl's read, GB/s | "
-        + " | ".join(f"{v['gb_s']:.2f}" for v in r["warm_ours_by_threads"].values())
-        + " |",
-        "| cold (disk) limit, GB/s | "
-        + " | ".join(f"{v:.2f}" for v in r["cold_limit_gb_s"].values())
-        + " |",
+        row("threads", r["warm_limit_gb_s"]),
+        row("---", ["---" for _ in r["warm_limit_gb_s"]]),
+        row("page cache limit, GB/s (own buffer)", gb_s(r["warm_limit_gb_s"])),
+        row("page cache limit, GB/s (fresh memory)", gb_s(r["warm_limit_fresh_memory_gb_s"])),
+        row(
+            "ckptctl's read, GB/s",
+            gb_s({n: v["gb_s"] for n, v in r["warm_ours_by_threads"].items()}),
+        ),
+        row("cold (disk) limit, GB/s", gb_s(r["cold_limit_gb_s"])),
         "",
         f"ckptctl's default ({ours['threads']} threads here): **{ours['gb_s']:.2f} GB/s warm = "
         f"{ours['gb_s'] / best_limit:.2f}x the page cache's best ({best_limit:.2f} GB/s, "
