@@ -115,34 +115,21 @@ def test_serve_pushes_and_survives_a_refused_push(short_tmp: Path) -> None:
         cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "30") as job,
     ):
         assert wait_for_path(sock)
-        ok = run_script(
-            "push",
-            "--control-socket",
-            sock,
-            "--checkpoint-path",
-            str(TINY),
-            "--weight-version",
-            "v1",
-            timeout=60,
-        )
+
+        def push(*flags: str) -> subprocess.CompletedProcess[str]:
+            return run_script(
+                "push", "--control-socket", sock, "--checkpoint-path", str(TINY), *flags,
+                timeout=60,
+            )  # fmt: skip
+
+        ok = push("--weight-version", "v1")
         assert ok.returncode == 0, ok.stderr
         s.behaviour.update_status, s.behaviour.update_message = 400, "busy"
-        refused = run_script(
-            "push", "--control-socket", sock, "--checkpoint-path", str(TINY), timeout=60
-        )
+        refused = push()
         s.behaviour.update_status = 200
         assert refused.returncode == 1
         assert "refused the update: HTTP 400: busy" in refused.stderr
-        again = run_script(
-            "push",
-            "--control-socket",
-            sock,
-            "--checkpoint-path",
-            str(TINY),
-            "--weight-version",
-            "v3",
-            timeout=60,
-        )
+        again = push("--weight-version", "v3")
         assert again.returncode == 0, again.stderr
         assert s.behaviour.weight_version == "v3"
         with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
