@@ -184,13 +184,25 @@ def test_serve_direct_refills_one_pool_push_after_push(tmp_path: Path, short_tmp
             client.post("http://serve/stop")
         _, err = job.communicate(timeout=60)
     assert job.returncode == 0, err
+    # The refused push (the third) ends when rank 0, the leader, hears the server refuse, after
+    # its own register and gather. Rank 1 may not have reached its gather by then, or even its
+    # register: the stand-in's gather is not collective (checkpoint-engine's is), so on a busy
+    # machine rank 1 can lack the lines of that push, never those of the others.
+    every = {"fills": [[1], [2], [1], [1]], "gathered": [[0, 1]] * 4}
+    refused_early = {"fills": [[1], [2], [1]], "gathered": [[0, 1]] * 3}
     for rank in (0, 1):
         rows = [json.loads(line) for line in Path(f"{log}.{rank}").read_text().splitlines()]
-        assert [r["fills"] for r in rows] == [[1], [2], [1], [1]]
         assert all(r["ptrs"] == rows[0]["ptrs"] for r in rows)  # the same memory every time
-        # Every push gathered from the plan (the refused one too: it failed after the gather).
         gathered = Path(f"{log}.gathered.{rank}").read_text().splitlines()
-        assert [json.loads(line)["planned_ranks"] for line in gathered] == [[0, 1]] * 4
+        seen = {
+            "fills": [r["fills"] for r in rows],
+            "gathered": [json.loads(line)["planned_ranks"] for line in gathered],
+        }
+        assert seen == every or (
+            rank == 1
+            and seen["gathered"] == refused_early["gathered"]
+            and seen["fills"] in (every["fills"], refused_early["fills"])
+        ), seen
 
 
 def test_direct_update_registers_every_tensor_and_gathers_from_the_plan(tmp_path: Path) -> None:
