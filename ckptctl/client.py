@@ -20,21 +20,37 @@ failed; the job goes on serving; NotAnswering, one of them: no serve job answers
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ckptctl.errors import (
+    CkptctlError,
     DeadlineExceeded,
     ExitCode,
+    Interrupted,
     InvalidInput,
     OperationFailed,
     UsageError,
 )
 from ckptctl.pipeline.serve.control import NotAnswering
 
-__all__ = ["NotAnswering", "find_job", "push", "raise_if_failed", "status", "stop"]
+# Named when a client gives up waiting for the job's answer.
+TIMEOUT_FLAG = "--timeout, or timeout= from Python"
+
+__all__ = [
+    "NotAnswering",
+    "cancel",
+    "find_job",
+    "push",
+    "raise_if_failed",
+    "rollback",
+    "status",
+    "stop",
+]
 
 
 def find_job(
@@ -57,12 +73,19 @@ def _as_list(values: str | Sequence[str]) -> list[str]:
 
 
 def request(
-    path: str, method: str, route: str, body: dict[str, Any] | None, timeout: float
+    path: str,
+    method: str,
+    route: str,
+    body: dict[str, Any] | None,
+    timeout: float,
+    *,
+    flag: str | None = None,
 ) -> dict[str, Any]:
-    """One request to the job on `path`; a refusal raises."""
+    """One request to the job on `path`; a refusal raises. `flag`: the argument that set
+    `timeout`, named when it runs out."""
     from ckptctl.pipeline.serve.control import call
 
-    code, doc = call(path, method, route, body, timeout)
+    code, doc = call(path, method, route, body, timeout, flag=flag)
     if code in (400, 409):  # a request that should not have been sent, or the wrong node
         raise UsageError(f"the serve job on {path} refused: {doc.get('error')}")
     if code != 200:
@@ -83,26 +106,90 @@ def push(
     wait: float = 0.0,
     timeout: float = 900.0,
     check: bool = True,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    push_id: str | None = None,
 ) -> dict[str, Any]:
     """Push a checkpoint through the serve job and wait for it: the job's answer (`ok`,
     `seconds`, `server_weights`, `verified`, every rank's figures...), which is also
     `ckptctl push --json`'s. A push that ran and failed raises, with the job's own error line;
-    with check=False its answer is returned instead (ok false, exit_code, error)."""
+    with check=False its answer is returned instead (ok false, exit_code, error).
+
+    on_progress: called about once a second, while the push waits or runs, with what `status`
+    says of it (`running`: stage, detail, bytes_done...). push_id: a name of the caller's for
+    this push, which `cancel(push_id)` gives up."""
     path = find_job(control_socket, endpoint, uds, wait)
-    answer = request(
-        path,
-        "POST",
-        "/push",
-        {
-            "checkpoint_path": os.path.realpath(os.fspath(checkpoint_path)),
-            "weight_version": weight_version,
-            "checkpoint_name": checkpoint_name,
-            "consume_shm_files": consume_shm_files,
-            "verify": verify,
-        },
-        timeout,
-    )
+    body = {
+        "checkpoint_path": os.path.realpath(os.fspath(checkpoint_path)),
+        "weight_version": weight_version,
+        "checkpoint_name": checkpoint_name,
+        "consume_shm_files": consume_shm_files,
+        "verify": verify,
+        "push_id": push_id,
+    }
+    with _watching(path, on_progress):
+        answer = request(
+            path, "POST", "/push", body, timeout, flag="its --timeout, or timeout= from Python"
+        )
     return raise_if_failed(answer) if check else answer
+
+
+def rollback(
+    *,
+    control_socket: str | None = None,
+    endpoint: str | Sequence[str] = (),
+    uds: str | Sequence[str] = (),
+    timeout: float = 900.0,
+    check: bool = True,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    push_id: str | None = None,
+) -> dict[str, Any]:
+    """Push the whole checkpoint before the last whole one again, with its weight version
+    (`ckptctl rollback`). InvalidInput (3) when there is none, or when its files changed."""
+    path = find_job(control_socket, endpoint, uds, 0.0)
+    with _watching(path, on_progress):
+        answer = request(
+            path,
+            "POST",
+            "/rollback",
+            {"push_id": push_id},
+            timeout,
+            flag="its --timeout, or timeout= from Python",
+        )
+    return raise_if_failed(answer) if check else answer
+
+
+def cancel(push_id: str, *, control_socket: str) -> dict[str, Any]:
+    """Give up the push named `push_id` on the job at `control_socket`: `{"cancel":
+    "cancelled"}` (it had not started), `"cancelling"` (its transfer is being ended, then the
+    server restored; its own answer says how it ended) or `"not found"` (it is over)."""
+    return request(control_socket, "POST", "/cancel", {"push_id": push_id}, 10.0)
+
+
+@contextlib.contextmanager
+def _watching(path: str, on_progress: Callable[[dict[str, Any]], None] | None) -> Iterator[None]:
+    """While the block waits for the job's answer, pass what `status` says of the command
+    under way to `on_progress`, about once a second (a connection of its own)."""
+    if on_progress is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(1.0):
+            try:
+                running = request(path, "GET", "/status", None, 5.0).get("running")
+            except CkptctlError:
+                continue  # the push's own answer says what went wrong
+            if running and not done.is_set():
+                on_progress(running)
+
+    thread = threading.Thread(target=watch, name="ckptctl-push-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=6)
 
 
 def raise_if_failed(answer: dict[str, Any]) -> dict[str, Any]:
@@ -111,9 +198,12 @@ def raise_if_failed(answer: dict[str, Any]) -> dict[str, Any]:
         return answer
     code = int(answer.get("exit_code") or ExitCode.FAILED)
     error = str(answer.get("error") or "the push failed")
-    if code == ExitCode.INVALID_INPUT:
-        raise InvalidInput(error)
-    raise (DeadlineExceeded if code == ExitCode.TIMEOUT else OperationFailed)(error)
+    kinds: dict[int, type[CkptctlError]] = {
+        ExitCode.INVALID_INPUT: InvalidInput,
+        ExitCode.TIMEOUT: DeadlineExceeded,
+        ExitCode.INTERRUPTED: Interrupted,
+    }
+    raise kinds.get(code, OperationFailed)(error)
 
 
 def status(

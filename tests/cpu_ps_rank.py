@@ -14,7 +14,11 @@ What the stand-in can be told to do:
   rank waits for another at its end (checkpoint-engine's issue #106);
 - CPU_PS_EVENTS=F: every rank appends "update-end NAME" / "unregister NAME" lines to F, one
   shared file, in the order they happen;
-- CPU_PS_SLOW_CHECK_RANK=r: rank r checks a --consume-shm-files plan late.
+- CPU_PS_SLOW_CHECK_RANK=r: rank r checks a --consume-shm-files plan late;
+- CPU_PS_TRANSFER=zmq: the update is the real ParameterServerSession's, around `CpuEngine`,
+  which speaks checkpoint-engine's IPC protocol over real zmq sockets to the server's workers
+  (a FakeServer whose on_update is tests/fake_worker.ZmqWorkers): the server can die, hang or
+  fail mid-transfer, and the job must end the transfer as it would on a GPU.
 """
 
 from __future__ import annotations
@@ -47,6 +51,18 @@ class CpuParameterServerSession:
         self.world = int(os.environ["WORLD_SIZE"])
         self.connected = False  # the server's workers took the IPC handle (this update)
         self.rescued: str | None = None
+        self.on_bucket_loaded: Any = None
+        self.real: Any = None  # CPU_PS_TRANSFER=zmq: the real session, around a CpuEngine
+        if os.environ.get("CPU_PS_TRANSFER") == "zmq":
+            real = object.__new__(REAL_SESSION)  # its constructor needs CUDA
+            real.ps = CpuEngine(self)
+            real.sockets = []
+            real._io_timeout = io_timeout
+            real._group = _BuiltGroup()
+            real.on_bucket_loaded = None
+            real._on_failure = on_failure
+            real._wrap_socket_factory()
+            self.real = real
 
     def register(self, name: str, named_tensors: dict[str, Any]) -> None:
         self.registered[name] = dict(named_tensors)
@@ -107,16 +123,22 @@ class CpuParameterServerSession:
         return {}
 
     def wait_transfer_finished(self, timeout: float) -> bool:
-        return True
+        return True if self.real is None else self.real.wait_transfer_finished(timeout)
+
+    def cancel(self, message: str) -> None:
+        if self.real is not None:
+            self.real.cancel(message)
 
     def rescue(self, message: str) -> bool:
+        if self.real is not None:
+            return bool(self.real.rescue(message))
         if self.connected:
             return False  # a worker has the handle: only its own error path ends the transfer
         self.rescued = message  # the real one ends checkpoint-engine's blocked transfer
         return True
 
     def workers_connected(self) -> bool:
-        return self.connected
+        return self.connected if self.real is None else self.real.workers_connected()
 
     def _event(self, what: str, name: str) -> None:
         path = os.environ.get("CPU_PS_EVENTS")
@@ -130,6 +152,14 @@ class CpuParameterServerSession:
 
     def update(self, name: str, req_func: Any, ranks: list[int] | None) -> None:
         from ckptctl.errors import OperationFailed
+
+        if self.real is not None:
+            self.real.on_bucket_loaded = self.on_bucket_loaded
+            try:
+                self.real.update(name, req_func, ranks)
+            finally:
+                self._event("update-end", name)
+            return
 
         self.rescued = None
         self.connected = "fail-after-connect" in name
@@ -183,10 +213,87 @@ class CpuParameterServerSession:
             pool.give_back(buffers)
 
 
+class _BuiltGroup:
+    """The NCCL group the real session waits for: none here (the store stands in for it)."""
+
+    seconds = None
+
+    def wait(self, timeout_s: float) -> None:
+        pass
+
+
+class CpuEngine:
+    """checkpoint-engine's ParameterServer as far as one update goes, on CPU: `update` runs
+    its `_update_per_bucket` protocol over real zmq sockets - the handle, then per bucket the
+    worker's reply, the all-reduce of return codes (through the job's store), the next bucket;
+    then None, None - and fails the same way when a reply is not empty. The real
+    ParameterServerSession wraps `_bind_zmq_socket` as it wraps checkpoint-engine's."""
+
+    def __init__(self, session: CpuParameterServerSession) -> None:
+        self.session = session
+        self._device_uuid = f"GPU-fake-{session.rank}"
+        self._count = 0
+        # ipc names are machine-wide: this job's own (its ranks agree on it)
+        self._token = os.environ.get("MASTER_PORT", "") + "-" + str(os.getppid())
+
+    def _bind_zmq_socket(self) -> tuple[Any, list[tuple[str, str]]]:
+        import zmq
+
+        def path(r: int) -> str:
+            return f"ipc://@ckptctl-cpu-ps-{self._token}-{r}-{self._count}.sock"
+
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.bind(path(self.session.rank))
+        return sock, [(f"GPU-fake-{r}", path(r)) for r in range(self.session.world)]
+
+    def _buckets(self, name: str) -> list[list[dict[str, Any]]]:
+        count = int(os.environ.get("CPU_PS_BUCKETS", "3"))
+        items = sorted(self.session.registered.get(name, {}).items())
+        metas = [
+            {"name": n, "shape": list(t.shape), "dtype": t.dtype, "offset": 0} for n, t in items
+        ]
+        return [metas[i::count] for i in range(count)]
+
+    def _all_reduce(self, key: str, value: int) -> int:
+        store, world, rank = self.session.group_store, self.session.world, self.session.rank
+        if store is None:
+            return value
+        store.set(f"{key}/{rank}", str(value))
+        keys = [f"{key}/{r}" for r in range(world)]
+        while not store.check(keys):
+            time.sleep(0.005)
+        return sum(int(store.get(k)) for k in keys)
+
+    def update(self, name: str, req_func: Any, ranks: list[int] | None = None) -> None:
+        self._count += 1
+        key = f"cpu-ps-zmq/{name}/{self._count}"
+        socket, paths = self._bind_zmq_socket()
+        req_thread = threading.Thread(target=req_func, args=(paths,))
+        req_thread.start()
+        socket.send_pyobj(("cpu-ipc-handle", self.session.rank))
+        try:
+            for i, bucket in enumerate(self._buckets(name)):
+                resp = socket.recv()
+                if self._all_reduce(f"{key}/{i}", int(resp != b"")):
+                    socket.send_pyobj(RuntimeError("Some workers failed to update weights"))
+                    raise RuntimeError("Failed to update weights due to remote errors")
+                socket.send_pyobj(bucket)
+            socket.recv()
+            socket.send_pyobj(None)
+            socket.recv()
+            socket.send_pyobj(None)
+            socket.recv()
+        finally:
+            req_thread.join()
+            self._all_reduce(f"{key}/end", 0)
+            socket.close()
+
+
 if __name__ == "__main__":
     import ckptctl.pipeline.parameter_server as ps_module
     import ckptctl.pipeline.pinning as pinning_module
 
+    REAL_SESSION = ps_module.ParameterServerSession
     ps_module.ParameterServerSession = CpuParameterServerSession  # type: ignore[misc]
     # No CUDA to pin host memory with: direct registration's buffers stay pageable.
     pinning_module.DriverPin.for_rank = classmethod(lambda cls, rank: None)  # type: ignore

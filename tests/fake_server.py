@@ -82,6 +82,12 @@ SGLANG_PROFILES: dict[str, dict[str, Any]] = {
 }
 PROFILES = (*SGLANG_PROFILES, "vllm")
 
+
+class ServerDied(Exception):
+    """Raised by an update handler: the server drops the request's connection unanswered (its
+    process died mid-transfer)."""
+
+
 # (zmq_handles, request body) -> None on success, or raise to fail the update with that message.
 UpdateHandler = Callable[[dict[str, str], dict[str, Any]], None]
 # (parsed JSON body or None) -> (HTTP status, JSON document): a test-control route.
@@ -376,6 +382,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if b.on_update is not None:
                 b.on_update(handles, doc)
+        except ServerDied:  # the process died mid-transfer: the connection drops, unanswered
+            self.close_connection = True
+            self.connection.close()
+            return None
         except Exception as exc:  # noqa: BLE001 - the server reports it like SGLang does
             if vllm:
                 return self._send_json(500, {"error": f"{type(exc).__name__}: {exc}"})

@@ -26,7 +26,11 @@ def test_an_abort_notice_is_always_a_failure_with_a_clean_line() -> None:
         "code": 4,
         "rank": 1,
         "message": "timed out",
+        "request": False,
     }
+    # "request" (a stop or a cancel, not a failure) is true only when it is exactly true.
+    assert read_abort(json.dumps({"code": 1, "message": "m", "request": "yes"}))["request"] is False
+    assert read_abort(json.dumps({"code": 1, "message": "m", "request": True}))["request"] is True
 
 
 RANK = """

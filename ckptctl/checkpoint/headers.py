@@ -449,3 +449,19 @@ def open_planned(checkpoint: Checkpoint, file: str) -> int:
             change = "was modified"
         raise _fail(path, change, action)
     return fd
+
+
+def changed_since(before: Checkpoint, now: Checkpoint) -> str | None:
+    """What changed between two reads of one checkpoint (files, their identities, tensors),
+    in a few words; None when nothing did."""
+    if before.files != now.files:
+        gone = sorted(set(before.files) - set(now.files))
+        if gone:
+            return f"files removed: {', '.join(gone[:3])}"
+        return f"files added: {', '.join(sorted(set(now.files) - set(before.files))[:3])}"
+    for file in before.files:
+        if before.file_ids.get(file) != now.file_ids.get(file):
+            return f"{file} was rewritten"
+    if before.tensors != now.tensors:
+        return "its headers describe other tensors"
+    return None

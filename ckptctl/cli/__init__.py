@@ -66,6 +66,7 @@ EXAMPLES: dict[str, list[str]] = {
         "ckptctl push --wait 600 --checkpoint-path DIR --weight-version step-7",
         "ckptctl push --endpoint URL --checkpoint-path DIR --json",
     ],
+    "rollback": ["ckptctl rollback", "ckptctl rollback --endpoint URL --json"],
     "status": ["ckptctl status", "ckptctl status --endpoint URL --json"],
     "stop": ["ckptctl stop --wait 60"],
 }
@@ -123,6 +124,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "inspect-metas": metas.inspect_metas_command,
     "serve": serve.serve_command,
     "push": serve.push_command,
+    "rollback": serve.rollback_command,
     "status": serve.status_command,
     "stop": serve.stop_command,
 }

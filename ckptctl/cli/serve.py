@@ -14,7 +14,9 @@ import typer
 
 from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
 from ckptctl.cli._options import (
+    FLAG,
     SERVE_JOB,
+    TRANSFER,
     WAITING,
     ApiKeyOpt,
     BucketSizeOpt,
@@ -40,9 +42,7 @@ from ckptctl.cli._options import (
 )
 from ckptctl.cli._output import Output
 from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
-from ckptctl.errors import (
-    redact,
-)
+from ckptctl.errors import CkptctlError, redact
 
 
 def _which_job(name: str, metavar: str, envvar: str, help: str) -> Any:
@@ -110,6 +110,28 @@ def serve_command(
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
     push_timeout: PushTimeoutOpt = 600.0,
+    server_wait: Annotated[
+        float,
+        typer.Option(
+            "--server-wait",
+            metavar="SECONDS",
+            callback=at_least(0),
+            rich_help_panel=WAITING,
+            help="How long a push waits for a server that does not answer (down, restarting) "
+            "before it fails with exit 1; the job goes on. The first push waits up to "
+            "--push-timeout, for the server's start-up.",
+        ),
+    ] = 30.0,
+    no_restore: Annotated[
+        bool,
+        typer.Option(
+            "--no-restore",
+            metavar=FLAG,
+            rich_help_panel=TRANSFER,
+            help="After a push that failed once the server had begun taking its weights, do "
+            "not push the last whole checkpoint again (the server is left partly updated).",
+        ),
+    ] = False,
     bucket_size_gb: BucketSizeOpt = None,
     mem_fraction: MemFractionOpt = None,
     verbose: VerboseOpt = False,
@@ -117,13 +139,15 @@ def serve_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Keep a parameter server up on every rank and push checkpoints on command .
+    """Keep a parameter server up on every rank and push checkpoints on command.
 
     Start it under torchrun like `update`; then, on the node, `ckptctl push --checkpoint-path
     DIR` pushes a checkpoint into the server(s), `ckptctl status` reports, and `ckptctl stop`
-    (or SIGTERM/SIGINT to any rank) ends it cleanly. Commands come only from your own user,
-    through the control socket; a push that fails leaves the job serving, unless its transfer
-    broke off in a way only ending the job can clear.
+    (or SIGTERM/SIGINT to any rank) ends it within seconds, cancelling a push under way; a
+    second signal ends it at once. Commands come only from your own user, through the control
+    socket. A push that fails leaves the job serving; one that fails after the server began
+    taking its weights is followed by a push of the last whole checkpoint (its files
+    unchanged), so that the server ends whole on the previous version.
     """
     from ckptctl.cli._job_view import run_job_with_display
     from ckptctl.pipeline.groups import ServerTargets
@@ -144,6 +168,8 @@ def serve_command(
         register_mode=register_mode.value,
         read_threads=read_threads,
         push_timeout=push_timeout,
+        server_wait=server_wait,
+        restore=not no_restore,
         bucket_size_gb=bucket_size_gb,
         mem_fraction=mem_fraction,
         verbose=verbose,
@@ -184,31 +210,176 @@ def push_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Push a checkpoint through a running `ckptctl serve` job on this node."""
+    """Push a checkpoint through a running `ckptctl serve` job on this node.
+
+    While it runs, the job's progress shows on stderr (its stage, bytes and rate; a line every
+    10 s when stderr is not a terminal). Ctrl-C cancels the push: the job ends its transfer
+    and, if the server had begun taking the weights, pushes the last whole checkpoint again.
+    """
     from ckptctl import client
 
     out = Output(json_mode=json_output, quiet=quiet)
-    doc = client.push(
-        checkpoint_path,
-        weight_version=weight_version,
-        checkpoint_name=checkpoint_name,
-        consume_shm_files=consume_shm_files,
-        verify=verify,
-        control_socket=control_socket,
-        endpoint=endpoint or (),
-        uds=uds or (),
-        wait=wait,
-        timeout=timeout,
-        check=False,
+    path = client.find_job(control_socket, endpoint or (), uds or (), wait)
+    run_command(
+        out,
+        path,
+        lambda **kw: client.push(
+            checkpoint_path,
+            weight_version=weight_version,
+            checkpoint_name=checkpoint_name,
+            consume_shm_files=consume_shm_files,
+            verify=verify,
+            control_socket=path,
+            timeout=timeout,
+            check=False,
+            **kw,
+        ),
     )
-    if json_output:
-        out.result(doc)
+
+
+def rollback_command(
+    control_socket: JobSocketOpt = None,
+    endpoint: FindEndpointOpt = None,
+    uds: FindUdsOpt = None,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            "--timeout",
+            metavar="SECONDS",
+            callback=at_least(1),
+            rich_help_panel=WAITING,
+            help="Seconds to wait for the rollback's answer (exit 4).",
+        ),
+    ] = 900.0,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
+) -> None:
+    """Push the whole checkpoint before the last one again, with its weight version.
+
+    Refused with exit 3 when the job has pushed fewer than two whole checkpoints, or when that
+    checkpoint's files changed since it was pushed (sizes, mtimes, headers).
+    """
+    from ckptctl import client
+
+    out = Output(json_mode=json_output, quiet=quiet)
+    path = client.find_job(control_socket, endpoint or (), uds or (), 0.0)
+    run_command(
+        out,
+        path,
+        lambda **kw: client.rollback(control_socket=path, timeout=timeout, check=False, **kw),
+    )
+
+
+def run_command(out: Output, path: str, send: Any) -> None:
+    """Send a push or rollback with a push id of its own, show its progress while it runs,
+    cancel it on Ctrl-C, then report its answer (stdout: the result)."""
+    import secrets
+
+    from ckptctl import client
+    from ckptctl.errors import Interrupted
+
+    push_id = secrets.token_hex(8)
+    progress = PushProgress(out)
+    try:
+        doc = send(on_progress=progress.show, push_id=push_id)
+    except (KeyboardInterrupt, Interrupted):
+        progress.clear()
+        doc = _cancel(out, path, push_id)
+    progress.clear()
+    if out.json_mode:
+        out.result(doc, ok=bool(doc.get("ok")))
     client.raise_if_failed(doc)
-    out.log(
-        f"pushed {checkpoint_path} (push {doc['seq']}, {doc.get('seconds') or 0:.2f}s; "
-        f"server weights: {doc.get('server_weights')}"
-        + (f"; verified: {doc['verified']})" if doc.get("verified") else ")")
+    verified = f"; verified: {doc['verified']}" if doc.get("verified") else ""
+    what = "rolled back to push {restores}".format(**doc) if doc.get("restores") else "pushed"
+    out.show(
+        f"{what} {doc.get('checkpoint_path')} (push {doc['seq']}, {doc.get('seconds') or 0:.2f}s; "
+        f"server weights: {doc.get('server_weights')}{verified})"
     )
+
+
+def _cancel(out: Output, path: str, push_id: str) -> dict[str, Any]:
+    """Ctrl-C on `push`: the job gives the push up; its answer, once the job has one."""
+    from ckptctl import client
+    from ckptctl.errors import ExitCode
+
+    out.log("interrupted: cancelling the push in the serve job...")
+    try:
+        answer = client.cancel(push_id, control_socket=path)
+        if answer.get("cancel") == "cancelled":
+            return {**answer, "ok": False, "exit_code": int(ExitCode.INTERRUPTED),
+                    "error": f"push {answer.get('seq')} cancelled before it started: the "
+                    "server's weights are unchanged"}  # fmt: skip
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < deadline:
+            last = client.status(control_socket=path).get("last") or {}
+            if last.get("push_id") == push_id:  # its answer: cancelled, or over before that
+                return dict(last)
+            time.sleep(0.2)
+    except CkptctlError as exc:
+        reason = f" ({exc})"
+    else:
+        reason = f": it did not end within {CANCEL_WAIT_S:g}s"
+    return {"ok": False, "exit_code": int(ExitCode.INTERRUPTED),
+            "error": f"interrupted; the push may still be ending in the serve job{reason} "
+            f"(see ckptctl status --control-socket {path})"}  # fmt: skip
+
+
+CANCEL_WAIT_S = 20.0  # a cancelled push's transfer ends, then the server is restored
+
+
+class PushProgress:
+    """What the job says of the push under way, on stderr: one line redrawn on a terminal;
+    elsewhere a line when the stage changes or every PushProgress.EVERY_S seconds."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, out: Output) -> None:
+        self.out = out
+        self._shown = ("", 0.0)
+        self._drawn = False
+
+    def show(self, running: dict[str, Any]) -> None:
+        if self.out.quiet or self.out.json_mode and not self.out.err.is_terminal:
+            return
+        line = describe_running(running)
+        if self.out.err.is_terminal:
+            width = max(self.out.err.width - 1, 20)
+            self.out.err.file.write("\r\x1b[2K" + redact(line)[:width])
+            self.out.err.file.flush()
+            self._drawn = True
+            return
+        stage, when = self._shown
+        now = time.monotonic()
+        if running.get("stage") != stage or now - when >= self.EVERY_S:
+            self._shown = (str(running.get("stage")), now)
+            self.out.log(line)
+
+    def clear(self) -> None:
+        if self._drawn:
+            self.out.err.file.write("\r\x1b[2K")
+            self.out.err.file.flush()
+            self._drawn = False
+
+
+def describe_running(running: dict[str, Any]) -> str:
+    """One line for the command under way, as `status` reports it."""
+    from ckptctl.progress import format_bytes
+
+    head = f"{running.get('action') or 'push'} {running.get('seq')}"
+    label = running.get("label")
+    if not label:
+        return f"{head}: starting"
+    text = f"{head}: {label}"
+    if running.get("bytes"):
+        text += (
+            f", {format_bytes(running.get('bytes_done') or 0)} of {format_bytes(running['bytes'])}"
+        )
+        if running.get("bytes_per_s"):
+            text += f" ({format_bytes(running['bytes_per_s'])}/s, eta {running.get('eta_seconds', 0):.0f}s)"
+    if running.get("detail"):
+        text += f" - {running['detail']}"
+    return text
 
 
 def status_command(
@@ -251,9 +422,10 @@ def stop_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Stop a running `ckptctl serve` job on this node: every rank ends cleanly.
+    """Stop a running `ckptctl serve` job on this node: every rank ends within seconds.
 
-    A push under way finishes first; pushes still waiting fail.
+    A push under way is cancelled (its transfer ended, the server restored to the last whole
+    checkpoint where it can be within the job's last seconds); pushes still waiting fail.
     """
     from ckptctl import client
 
@@ -292,7 +464,8 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
     rank = doc.get("rank", 0)
     lines = [
         f"serve job: {doc.get('state')}, {doc.get('world_size')} rank(s), "
-        f"{doc.get('commands')} push(es) done, {doc.get('queued') or 0} waiting; "
+        f"{doc.get('commands')} push(es) done ({doc.get('failed') or 0} failed), "
+        f"{doc.get('queued') or 0} waiting; "
         f"control socket {path}"
         + (
             ""
@@ -326,9 +499,14 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
                 "server weights: PARTIAL - a push broke off after the server's workers "
                 f"connected; push a whole checkpoint again (last whole set: {what})"
             )
+    running = doc.get("running")
+    if running:
+        lines.append(f"now: {describe_running(running)}")
     last = doc.get("last")
     if last:
-        head = f"last push {last.get('seq')}: {last.get('checkpoint_path')}"
+        head = (
+            f"last {last.get('action') or 'push'} {last.get('seq')}: {last.get('checkpoint_path')}"
+        )
         if last.get("ok"):
             size = last.get("total_bytes") or 0
             secs = float(last.get("seconds") or 0)

@@ -17,6 +17,7 @@ one that rank 0 hosts on MASTER_PORT; checkpoint-engine itself uses MASTER_PORT+
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -29,7 +30,15 @@ from datetime import timedelta
 from typing import Any
 
 from ckptctl import results
-from ckptctl.errors import DeadlineExceeded, ExitCode, OperationFailed, print_error
+from ckptctl.errors import (
+    CkptctlError,
+    DeadlineExceeded,
+    ExitCode,
+    Interrupted,
+    InvalidInput,
+    OperationFailed,
+    print_error,
+)
 from ckptctl.launch import LaunchInfo
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -65,7 +74,26 @@ def read_abort(raw: bytes | str) -> dict[str, Any]:
         "code": code if type(code) is int and code in FAILURE_CODES else int(ExitCode.FAILED),
         "rank": rank if type(rank) is int and rank >= 0 else "?",
         "message": one_line(message if isinstance(message, str) else "", 2000) or "no reason given",
+        # Given up on request (a stop, a client's cancel), not because a rank failed.
+        "request": doc.get("request") is True,
     }
+
+
+def describe_abort(abort: dict[str, Any]) -> str:
+    """An abort notice (read_abort's) as one line for the error it causes."""
+    if abort["request"]:
+        return str(abort["message"])
+    return f"rank {abort['rank']} failed: {abort['message']}"
+
+
+def abort_error(abort: dict[str, Any]) -> CkptctlError:
+    """The error a rank raises when its job (or push) was given up: the notice's exit code."""
+    kinds: dict[int, type[CkptctlError]] = {
+        ExitCode.TIMEOUT: DeadlineExceeded,
+        ExitCode.INVALID_INPUT: InvalidInput,
+        ExitCode.INTERRUPTED: Interrupted,
+    }
+    return kinds.get(abort["code"], OperationFailed)(describe_abort(abort))
 
 
 class Coordinator:
@@ -141,8 +169,11 @@ class Coordinator:
         )
 
     # -- abort -----------------------------------------------------------------------------------
-    def publish_abort(self, code: int, message: str) -> None:
-        doc = json.dumps({"code": int(code), "message": message, "rank": self.launch.rank})
+    def publish_abort(self, code: int, message: str, *, request: bool = False) -> None:
+        """Give up the job (or, on a scoped view, the push): `request` when it is asked for (a
+        stop, a cancel), not because something failed."""
+        fields = {"code": int(code), "message": message, "rank": self.launch.rank}
+        doc = json.dumps({**fields, "request": True} if request else fields)
         # First failure wins: later ones are usually consequences of it.
         self.store.compare_set("abort", "", doc)
 
@@ -185,8 +216,8 @@ class Coordinator:
         while not self.store.check(keys):
             if self.scope:
                 abort = self.aborted()
-                if abort is not None:  # a rank gave up on this push: so do we
-                    raise OperationFailed(f"rank {abort['rank']} failed: {abort['message']}")
+                if abort is not None:  # this push was given up: so do we
+                    raise abort_error(abort)
             if time.monotonic() > deadline:
                 what = keys[0].rsplit("/", 1)[0]
                 raise DeadlineExceeded(f"timed out waiting for every rank to reach {what}")
@@ -226,6 +257,8 @@ class Watchdog:
         self.stale_after_s = stale_after_s
         self.describe_stage = describe_stage
         self._failure: tuple[int, str] | None = None
+        # (when, code, message): a last resort that ends this rank at `when` whatever it is doing.
+        self._end_at: tuple[float, int, str] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ckptctl-watchdog", daemon=True)
@@ -246,6 +279,17 @@ class Watchdog:
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
+
+    def end_at(self, when: float, code: int, message: str) -> None:
+        """End this rank at `when` (time.monotonic) unless it has ended by then (a serve job
+        told to stop, whose push under way may not end on its own)."""
+        with self._lock:
+            if self._end_at is None or when < self._end_at[0]:
+                self._end_at = (when, int(code), message)
+
+    def exit_on_signal(self, sig: signal.Signals) -> None:
+        """End this rank now, as a signal does when nobody handles it (a second SIGTERM)."""
+        self._exit_on_signal(sig)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> Watchdog:
@@ -279,6 +323,12 @@ class Watchdog:
 
     # -- the thread --------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._watch()
+        except BaseException as exc:  # noqa: BLE001 - an unwatched rank could wait forever
+            self._exit(ExitCode.FAILED, f"the watchdog failed: {type(exc).__name__}: {exc}")
+
+    def _watch(self) -> None:
         last_beat = 0.0
         seen: dict[int, tuple[int, float]] = {}
         while not self._stop.is_set():
@@ -296,6 +346,9 @@ class Watchdog:
             if self._failure is not None:
                 code, message = self._failure
                 self._exit(code, message, publish=True)
+            if self._end_at is not None and time.monotonic() >= self._end_at[0]:
+                _, code, message = self._end_at
+                self._exit(code, message, publish=True)
             if self.remaining() <= 0:
                 stage = self.describe_stage()
                 where = f" during {stage}" if stage else ""
@@ -310,7 +363,7 @@ class Watchdog:
             try:
                 abort = self.coordinator.aborted()
                 if abort is not None:
-                    self._exit(abort["code"], f"rank {abort['rank']} failed: {abort['message']}")
+                    self._exit(abort["code"], describe_abort(abort))
                 now = time.monotonic()
                 if now - last_beat >= HEARTBEAT_INTERVAL_S:
                     last_beat = now
@@ -350,7 +403,7 @@ class Watchdog:
             except Exception:  # noqa: BLE001
                 abort = None
         if abort is not None:
-            self._exit(abort["code"], f"rank {abort['rank']} failed: {abort['message']}")
+            self._exit(abort["code"], describe_abort(abort))
         self._exit(ExitCode.INTERRUPTED, f"interrupted by {sig.name}")
 
     def _exit(self, code: int, message: str, *, publish: bool = False) -> None:
@@ -359,18 +412,23 @@ class Watchdog:
                 return
             self._exiting = True
         code = int(code) or ExitCode.FAILED  # this path only ever ends a job that failed
-        print_error(message)  # first: torchrun may SIGKILL us soon after a peer exits
-        results.write_failure(code, message)
-        if sys.stderr.isatty():
-            sys.stderr.write(
-                "\x1b[?25h"
-            )  # a live display hid the cursor; os._exit skips its cleanup
-        if publish and self.coordinator is not None:
-            try:
-                self.coordinator.publish_abort(code, message)
-                # Give peers a moment to read the reason before torchrun tears them down.
-                time.sleep(0.3)
-            except Exception:  # noqa: BLE001 - best effort: we are leaving anyway
-                pass
-        sys.stdout.flush()
-        os._exit(int(code))
+        try:
+            # Each step is best effort: a closed stderr or stdout (EPIPE) must not keep this
+            # rank from ending.
+            with contextlib.suppress(Exception):
+                print_error(message)  # first: torchrun may SIGKILL us soon after a peer exits
+            with contextlib.suppress(Exception):
+                results.write_failure(code, message)
+            with contextlib.suppress(Exception):
+                if sys.stderr.isatty():
+                    # A live display hid the cursor; os._exit skips its cleanup.
+                    sys.stderr.write("\x1b[?25h")
+            if publish and self.coordinator is not None:
+                with contextlib.suppress(Exception):
+                    self.coordinator.publish_abort(code, message)
+                    # Give peers a moment to read the reason before torchrun tears them down.
+                    time.sleep(0.3)
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+        finally:
+            os._exit(int(code))

@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -91,8 +92,16 @@ def _hint(exc: Exception, p2p: str) -> str:
     return "" if p2p == "off" else " (p2p needs a working RDMA NIC)"
 
 
+# How often a blocked exchange looks whether its transfer was cancelled, and how long a
+# cancelled one still waits for a worker that may yet answer.
+POLL_MS = 100
+CANCEL_GRACE_MS = 2000
+_POLLIN, _POLLOUT = 1, 2  # zmq.POLLIN, zmq.POLLOUT (zmq is imported lazily)
+
+
 class ReplyWatchingSocket:
-    """A stand-in for the PS's zmq REQ socket that keeps every non-empty (error) reply."""
+    """A stand-in for the PS's zmq REQ socket that keeps every non-empty (error) reply, and
+    that a failed push can end (`cancel`) while checkpoint-engine blocks in it."""
 
     def __init__(
         self, socket: Any, timeout_ms: int, on_bucket: Callable[[int], None] | None = None
@@ -114,6 +123,12 @@ class ReplyWatchingSocket:
         # has connected. Until then a stand-in peer can end the transfer (see `rescue`).
         self.handle_sent = threading.Event()
         self.rescued = False  # the handle went to our stand-in peer (`rescue`), not a worker
+        # Set (from any thread) by `cancel`: the transfer must end although a worker took part.
+        self.cancelled: str | None = None
+        # Once a reply was made up or a send dropped, the real socket is out of step with the
+        # PS: every later exchange is made up too.
+        self._detached = False
+        self._timeout_ms = timeout_ms
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
@@ -126,11 +141,18 @@ class ReplyWatchingSocket:
             self.handle = obj
         elif isinstance(obj, list):  # a bucket's metas: [{name, dtype, shape, offset}, ...]
             self._bucket_in_flight = bucket_bytes(obj)
+        if not self._wait_for(_POLLOUT):
+            return None  # cancelled: dropped (the worker is gone or no longer listens)
         sent = self._socket.send_pyobj(obj, *args, **kwargs)
         self.handle_sent.set()
         return sent
 
     def recv(self, *args: Any, **kwargs: Any) -> bytes:
+        if not self._wait_for(_POLLIN):
+            # Cancelled: a made-up error reply, which sends checkpoint-engine down its own
+            # error path (the all-reduce of return codes, then its exception) on every rank.
+            self._bucket_in_flight = 0
+            return f"ckptctl: {self.cancelled}".encode()
         reply = self._socket.recv(*args, **kwargs)
         self._replies += 1
         if self._bucket_in_flight and reply == b"" and self.on_bucket is not None:
@@ -145,6 +167,36 @@ class ReplyWatchingSocket:
         if self._nones_sent >= 2:
             self.finished.set()
         return reply
+
+    def cancel(self, message: str) -> None:
+        """End this transfer although a worker took the handle (its server died, hangs, or the
+        push was stopped). Only a flag: the PS's thread, blocked in `recv` or `send_pyobj`,
+        acts on it within POLL_MS. A worker that is still there answers its bucket within
+        CANCEL_GRACE_MS and is told to give up (checkpoint-engine's own error message); one
+        that is gone gets nothing more, and the PS gets made-up error replies."""
+        if self.cancelled is None:
+            self.cancelled = message
+
+    def _wait_for(self, event: int) -> bool:
+        """Wait until the socket can `event` (True), or until the transfer is cancelled and no
+        worker can take part any more (False). Past the socket's own timeout, zmq.Again, as a
+        blocking call would raise."""
+        import zmq
+
+        if self._detached:
+            return False
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while True:
+            if self.cancelled is not None:
+                if self._socket.poll(CANCEL_GRACE_MS, event):
+                    return True
+                self._detached = True
+                return False
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0:
+                raise zmq.Again()
+            if self._socket.poll(min(POLL_MS, max(int(left_ms), 1)), event):
+                return True
 
     def _release_handle(self) -> None:
         try:
@@ -167,8 +219,8 @@ class ReplyWatchingSocket:
 
         if not self.handle_sent.is_set():
             return False
-        self._socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        self._timeout_ms = int(timeout_s * 1000)
+        self._socket.setsockopt(zmq.SNDTIMEO, self._timeout_ms)
         try:
             self.recv()
             self._socket.send_pyobj(RuntimeError(f"ckptctl: {message}"))
@@ -425,7 +477,45 @@ def release_transfer_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class ParameterServerSession:
+class TransferSockets:
+    """The zmq sockets of the current update (one per bind), and how a failed push ends them:
+    `rescue` before a server's worker took the handle, `cancel` after."""
+
+    sockets: list[ReplyWatchingSocket]
+
+    def rescue(self, message: str) -> bool:
+        """End the current transfer if its server never connected (see `rescue`); False when a
+        worker is already attached (then `cancel` ends it)."""
+        if not self.sockets or self.sockets[-1].handle_sent.is_set():
+            return False
+        self.sockets[-1].rescued = True
+        rescue(self.sockets[-1].endpoint, message)
+        return True
+
+    def cancel(self, message: str) -> None:
+        """End the current transfer although workers took the handle (see
+        ReplyWatchingSocket.cancel); `update` then raises with `message`."""
+        for s in self.sockets:
+            s.cancel(message)
+
+    def cancelled(self) -> str | None:
+        return next((s.cancelled for s in self.sockets if s.cancelled is not None), None)
+
+    def workers_connected(self) -> bool:
+        """Whether a server's worker took the current update's IPC handle: from then on a
+        failure may leave the server with a mix of old and new weights."""
+        return any(s.handle_sent.is_set() and not s.rescued for s in self.sockets)
+
+    def wait_transfer_finished(self, timeout: float) -> bool:
+        """Wait until the current transfer's last reply came back (called from the req thread)."""
+        return bool(self.sockets) and self.sockets[-1].finished.wait(timeout)
+
+    def _worker_errors(self) -> list[str]:
+        # (A rescued transfer's one reply is our stand-in's, not a worker's.)
+        return [e for s in self.sockets if not s.rescued for e in s.errors]
+
+
+class ParameterServerSession(TransferSockets):
     """One rank's ParameterServer and what we need around it."""
 
     def __init__(
@@ -580,24 +670,6 @@ class ParameterServerSession:
     def p2p_enabled(self) -> bool:
         return self.ps._p2p_store is not None
 
-    def rescue(self, message: str) -> bool:
-        """End the current transfer if its server never connected (see `rescue`); False when a
-        worker is already attached (then only ending the process frees the PS)."""
-        if not self.sockets or self.sockets[-1].handle_sent.is_set():
-            return False
-        self.sockets[-1].rescued = True
-        rescue(self.sockets[-1].endpoint, message)
-        return True
-
-    def workers_connected(self) -> bool:
-        """Whether a server's worker took the current update's IPC handle: from then on a
-        failure may leave the server with a mix of old and new weights."""
-        return any(s.handle_sent.is_set() and not s.rescued for s in self.sockets)
-
-    def wait_transfer_finished(self, timeout: float) -> bool:
-        """Wait until the current transfer's last reply came back (called from the req thread)."""
-        return bool(self.sockets) and self.sockets[-1].finished.wait(timeout)
-
     def update(
         self, name: str, req_func: Callable[[list[tuple[str, str]]], None], ranks: list[int] | None
     ) -> None:
@@ -616,17 +688,14 @@ class ParameterServerSession:
             failure = self._explain(exc)
             failure.debug_traceback = "".join(traceback.format_exception(exc))
             drop_frames(exc)
-        if failure is None and self._worker_errors():
-            failure = self._explain(None)  # checkpoint-engine dropped the last bucket's reply
+        if failure is None and (self._worker_errors() or self.cancelled()):
+            # checkpoint-engine dropped the last bucket's reply, or a cancel made it up
+            failure = self._explain(None)
         if failure is not None:
             # Raised here, outside the `except`, so that it carries no chain back to
             # checkpoint-engine's frames (see `drop_frames`).
             release_transfer_memory()
             raise failure
-
-    def _worker_errors(self) -> list[str]:
-        # (A rescued transfer's one reply is our stand-in's, not a worker's.)
-        return [e for s in self.sockets if not s.rescued for e in s.errors]
 
     def ensure_group(self) -> float | None:
         """The NCCL process group (building since the session started), kept for every
@@ -646,6 +715,9 @@ class ParameterServerSession:
         import zmq
 
         errors = self._worker_errors()
+        cancelled = self.cancelled()
+        if cancelled is not None and not errors:
+            return OperationFailed(f"{cancelled} ({PARTIAL_WEIGHTS_NOTE})")
         if errors or exc is None:
             return OperationFailed(
                 f"the server's worker on {self.device_uuid} failed while loading the weights "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import httpx
 
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
-from ckptctl.pipeline.coordination import PAST_DEADLINE_S
+from ckptctl.pipeline.coordination import PAST_DEADLINE_S, abort_error
 from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
 from ckptctl.progress import Reporter, format_bytes
@@ -286,32 +287,67 @@ def file_pages_mapped_since_now() -> Callable[[], int]:
     return mapped
 
 
-def wait_for_server(job: Job, assignment: GroupAssignment, engine: str) -> None:
+def wait_for_server(
+    job: Job,
+    assignment: GroupAssignment,
+    engine: str,
+    *,
+    limit_s: float | None = None,
+    flag: str = "--timeout",
+) -> None:
     """Each group leader waits until its server answers HTTP (SGLang's 503 counts); every rank
     then meets the others here, so no rank sits in checkpoint-engine's 10-minute store
-    timeout while a slow server starts (--timeout may be longer)."""
+    timeout while a slow server starts (--timeout may be longer).
+
+    limit_s: the longest wait (a serve push's --server-wait), which fails the push with exit 1;
+    None: until the job's deadline, which is exit 4. `flag` is what the error tells to raise."""
     with job.reporter.stage("wait_server", "waiting for the inference server") as st:
         if assignment.is_leader:
-            st.detail = _wait_until_listening(job, assignment, engine)
+            st.detail = _wait_until_listening(job, assignment, engine, st, limit_s, flag)
         job.barrier("servers-up")
 
 
-def _wait_until_listening(job: Job, assignment: GroupAssignment, engine: str) -> str:
-    from ckptctl.readiness import Prober, wait_ready
+def _wait_until_listening(
+    job: Job,
+    assignment: GroupAssignment,
+    engine: str,
+    st: Any,
+    limit_s: float | None,
+    flag: str,
+) -> str:
+    from ckptctl.readiness import Probe, Prober, wait_ready
 
     address = assignment.address
     assert address is not None
+    remaining = max(job.watchdog.remaining(), 0.0)
+    limit = remaining if limit_s is None else min(limit_s, remaining)
+    said = [0.0]
+
+    def on_attempt(probe: Probe, attempts: int, elapsed: float) -> None:
+        # Visible while it lasts: `status` reads the detail; a log gets a line every TICK_S.
+        st.detail = f"{address.describe()}: {probe.status}, {elapsed:.0f}s of {limit:.0f}s"
+        if not probe.ready and elapsed - said[0] >= job.reporter.TICK_S:
+            said[0] = elapsed
+            job.reporter.log(f"still waiting for {st.detail}")
+        if job.coordinator is not None and job.coordinator.scope:
+            abort = job.coordinator.aborted()  # this push was given up (stop, cancel, a rank)
+            if abort is not None:
+                raise abort_error(abort)
+
     prober = Prober(address, engine, "listening")
     try:
-        result = wait_ready(prober, timeout=max(job.watchdog.remaining(), 0.0), interval=0.5)
+        result = wait_ready(prober, timeout=limit, interval=0.5, on_attempt=on_attempt)
     finally:
         prober.close()
-    if not result.ready:
-        raise DeadlineExceeded(
-            f"{address.describe()} did not answer within --timeout "
-            f"({result.attempts} attempts, last: {result.last_status})"
-        )
-    return f"{address.describe()}: {result.last_status}"
+    if result.ready:
+        return f"{address.describe()}: {result.last_status}"
+    what = (
+        f"{address.describe()} did not answer within {flag} ({limit:g}s, "
+        f"{result.attempts} attempts, last: {result.last_status})"
+    )
+    if limit_s is not None and limit_s < remaining:
+        raise OperationFailed(f"{what}; is the server up?")
+    raise DeadlineExceeded(what)
 
 
 def build_group(job: Job, session: Any) -> None:
@@ -369,6 +405,7 @@ class ServerRequest:
         timeout: float,
         transfer_finished: Callable[[float], bool],
         on_failure: Callable[[int, str], None] | None = None,
+        flag: str = "--timeout",
     ) -> None:
         self.assignment = assignment
         # Where a failure goes: by default the watchdog, which ends every rank; a long-lived
@@ -377,20 +414,40 @@ class ServerRequest:
         self.engine = servers.engine
         self.weight_version = servers.weight_version
         self.watchdog = watchdog
-        self.timeout = timeout  # the command's --timeout, for messages
+        self.timeout = timeout  # the command's --timeout (`flag`), for messages
+        self.flag = flag
         # Blocks until the IPC transfer of the current update is over (True) or times out.
         self.transfer_finished = transfer_finished
         self.messages: list[str] = []
+        self._abandoned = threading.Event()
 
     def __call__(self, socket_paths: list[tuple[str, str]]) -> None:
         if not self.assignment.is_leader:
             return
         address = self.assignment.address
         assert address is not None
-        try:
-            self._request(address, group_handles(socket_paths, self.assignment.members))
-        except Exception as exc:  # noqa: BLE001 - never let checkpoint-engine's thread swallow it
-            self.fail(ExitCode.FAILED, f"update request failed: {type(exc).__name__}: {exc}")
+        handles = group_handles(socket_paths, self.assignment.members)
+        # The request runs in a thread of its own: checkpoint-engine joins this one before its
+        # update returns, and a push that failed (`abandon`) must not wait for the server's
+        # answer to a request that no longer matters (a server that hangs never gives one).
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self._request(address, handles)
+            except Exception as exc:  # noqa: BLE001 - never let a thread swallow it
+                self.fail(ExitCode.FAILED, f"update request failed: {type(exc).__name__}: {exc}")
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="ckptctl-update-request", daemon=True).start()
+        while not done.wait(0.1):
+            if self._abandoned.is_set():
+                return
+
+    def abandon(self) -> None:
+        """The push failed: stop waiting for the server's answer (see `__call__`)."""
+        self._abandoned.set()
 
     def _request(self, address: ServerAddress, handles: dict[str, str]) -> None:
         from ckptctl.server import UpdateRefused, describe_failure, push_update
@@ -411,7 +468,7 @@ class ServerRequest:
             self.fail(
                 ExitCode.TIMEOUT,
                 f"timed out after {self.timeout:g}s: {address.describe()} did not finish "
-                "the update; raise --timeout if the server is just slow",
+                f"the update; raise {self.flag} if the server is just slow",
             )
             return
         except httpx.HTTPError as exc:

@@ -500,9 +500,16 @@ def answers(path: str) -> bool:
 
 
 def call(
-    path: str, method: str, route: str, body: dict[str, Any] | None, timeout: float
+    path: str,
+    method: str,
+    route: str,
+    body: dict[str, Any] | None,
+    timeout: float,
+    *,
+    flag: str | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """One request to the serve job on `path`: (HTTP status, JSON answer), within `timeout` s."""
+    """One request to the serve job on `path`: (HTTP status, JSON answer), within `timeout` s
+    (`flag`: the argument that set it, named when it runs out)."""
     deadline = time.monotonic() + timeout
     sock = _connect(path, timeout)
     try:
@@ -518,6 +525,7 @@ def call(
             if left <= 0:
                 raise DeadlineExceeded(
                     f"the serve job on {path} did not answer within {timeout:g}s"
+                    + (f" (raise {flag})" if flag else "")
                 )
             sock.settimeout(left)
             try:

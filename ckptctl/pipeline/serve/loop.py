@@ -36,8 +36,8 @@ from ckptctl.errors import (
 from ckptctl.pipeline.job import Job
 from ckptctl.pipeline.serve.commands import TICK_TIMEOUT_S, CommandChannel
 from ckptctl.pipeline.serve.control import ControlServer, Handler, default_socket_path
-from ckptctl.pipeline.serve.push import HARD_GRACE_S, PushClock
-from ckptctl.progress import StageLog
+from ckptctl.pipeline.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock
+from ckptctl.progress import StageFigures, StageLog
 
 Executor = Callable[[Job, dict[str, Any]], dict[str, Any]]
 
@@ -49,7 +49,10 @@ PUSH_FIELDS = {
     "weight_version",
     "consume_shm_files",
     "verify",
+    "push_id",  # the client's own name for its push, to cancel it by (Ctrl-C on `push`)
 }
+# After a stop, a push under way must end within this many seconds, or the job ends anyway.
+STOP_GRACE_S = 8.0
 
 
 def utc_now() -> str:
@@ -92,8 +95,8 @@ def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[
     first = first or (failed[0] if failed else None)
     partial = any(r.get("server_weights") == "partial" for r in ranks)
     error = None if first is None else str(first.get("error"))
-    if error is not None and partial and PARTIAL_WEIGHTS_NOTE not in error:
-        error += f" ({PARTIAL_WEIGHTS_NOTE}: push a whole checkpoint again)"
+    if error is not None and partial:  # the loop says what became of them (ServeLoop._restore)
+        error = error.replace(f" ({PARTIAL_WEIGHTS_NOTE})", "")
     sizes = [r["total_bytes"] for r in ranks if isinstance(r.get("total_bytes"), int)]
     return {
         "ok": first is None,
@@ -101,6 +104,8 @@ def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[
         "error": error,
         "action": command.get("action", "push"),
         "seq": command["seq"],
+        "restores": command.get("restores"),  # a rollback's: the push it pushes again
+        "push_id": command.get("push_id"),
         "checkpoint_path": command.get("checkpoint_path"),
         "checkpoint_name": ranks[0].get("checkpoint_name") or command.get("checkpoint_name"),
         "weight_version": command.get("weight_version"),
@@ -128,34 +133,56 @@ class ServeState:
         self.targets = targets
         self.hosts: list[str] = []
         self.commands = 0
+        self.failed = 0
         self.running: dict[str, Any] | None = None
         self.last: dict[str, Any] | None = None
         self.server_weights: str | None = None  # None until a push reaches the server
-        self.weights: dict[str, Any] | None = None  # the last whole set pushed
+        # The whole sets pushed, the one the server holds last: a rollback steps back in it.
+        self.history: list[dict[str, Any]] = []
         self.stopping = False
+
+    @property
+    def weights(self) -> dict[str, Any] | None:
+        """The last whole set pushed."""
+        return self.history[-1] if self.history else None
+
+    def previous(self) -> dict[str, Any] | None:
+        """The whole set before the last one: what a rollback pushes."""
+        return self.history[-2] if len(self.history) > 1 else None
 
     def begin(self, command: dict[str, Any]) -> None:
         with self._lock:
-            self.running = {k: command.get(k) for k in ("seq", "checkpoint_path", "started_at")}
+            self.running = {
+                k: command.get(k) for k in ("action", "seq", "checkpoint_path", "started_at")
+            }
 
     def record(self, merged: dict[str, Any]) -> None:
         with self._lock:
             self.commands += 1
+            self.failed += not merged["ok"]
             self.running = None
             self.last = merged
             if merged["ok"]:
                 self.server_weights = "whole"
-                self.weights = {
-                    k: merged[k]
-                    for k in ("seq", "checkpoint_path", "checkpoint_name", "weight_version")
+                seq = merged.get("restores") or merged["seq"]
+                entry = {
+                    k: merged[k] for k in ("checkpoint_path", "checkpoint_name", "weight_version")
                 }
-                self.weights["pushed_at"] = merged["finished_at"]
-            elif merged["server_weights"] == "partial":
-                self.server_weights = "partial"
+                entry.update(seq=seq, pushed_at=merged["finished_at"])
+                # A rollback (or restore) makes push `seq` the latest again.
+                self.history = [h for h in self.history if h["seq"] < seq] + [entry]
+                del self.history[:-KEPT_WHOLE]
+            elif merged["server_weights"] is not None:  # partial, or whole again (restored)
+                self.server_weights = merged["server_weights"]
 
-    def snapshot(self, queued: int, extra: dict[str, Any]) -> dict[str, Any]:
+    def snapshot(
+        self, queued: int, extra: dict[str, Any], stages: list[StageFigures]
+    ) -> dict[str, Any]:
         with self._lock:
             state = "stopping" if self.stopping else ("busy" if self.running or queued else "idle")
+            running = self.running
+            if running is not None and stages:
+                running = {**running, **describe_stage(stages[-1])}
             return {
                 "ok": True,
                 "state": state,
@@ -165,13 +192,30 @@ class ServeState:
                 "push_host": self.hosts[0] if self.hosts else None,
                 "targets": self.targets,
                 "commands": self.commands,
+                "failed": self.failed,
                 "queued": queued,
-                "running": self.running,
+                "running": running,
                 "server_weights": self.server_weights,
                 "weights": self.weights,
+                "history": self.history,
                 "last": self.last,
                 **extra,
             }
+
+
+def describe_stage(st: StageFigures) -> dict[str, Any]:
+    """A running stage as `status` shows it: its name, what it waits on, how far it got."""
+    elapsed = time.perf_counter() - st.started_at
+    doc: dict[str, Any] = {"stage": st.name, "label": st.label, "stage_seconds": round(elapsed, 2)}
+    if st.detail:
+        doc["detail"] = st.detail
+    if st.bytes:
+        done = st.done_bytes()
+        doc.update(bytes=st.bytes, bytes_done=done)
+        if done and elapsed > 0 and st.done.live:
+            rate = done / elapsed
+            doc.update(bytes_per_s=round(rate), eta_seconds=round((st.bytes - done) / rate, 1))
+    return doc
 
 
 class ServeLoop:
@@ -196,13 +240,19 @@ class ServeLoop:
         self._queue: collections.deque[_Pending] = collections.deque()
         self._next_seq = 1
         self._stop_reason: str | None = None
+        self._signals = 0
         self._wake = threading.Event()
+        # The command under way (rank 0's `/cancel` and a stop give it up through its scope).
+        self._running: tuple[dict[str, Any], Any] | None = None
+        self.restore = True  # push the last whole checkpoint again after a partial failure
 
     # -- the control socket's handlers (its threads) ------------------------------------------------
     def handlers(self) -> dict[tuple[str, str], Handler]:
         return {
             ("GET", "/status"): self.handle_status,
             ("POST", "/push"): self.handle_push,
+            ("POST", "/rollback"): self.handle_rollback,
+            ("POST", "/cancel"): self.handle_cancel,
             ("POST", "/stop"): self.handle_stop,
         }
 
@@ -210,37 +260,97 @@ class ServeLoop:
         with self._lock:
             queued = len(self._queue)
         extra = {k: self.executor_state.get(k) for k in ("registered", "pinned_pool_bytes")}
-        return 200, self.state.snapshot(queued, extra)
+        return 200, self.state.snapshot(queued, extra, self.job.reporter.running_stages())
 
     def handle_stop(self, _doc: Any) -> tuple[int, dict[str, Any]]:
         self.request_stop("stopped by a client (ckptctl stop)")
         return 200, {"ok": True, "stopping": True}
 
+    def _not_here(self) -> tuple[int, dict[str, Any]] | None:
+        if self.rank == 0:
+            return None
+        where = self.state.hosts[0] if self.state.hosts else "rank 0's node"
+        return 409, {
+            "ok": False,
+            "error": f"this node's serve job takes status and stop only: push on {where} "
+            "(the node of global rank 0)",
+        }
+
     def handle_push(self, doc: Any) -> tuple[int, dict[str, Any]]:
-        if self.rank != 0:
-            where = self.state.hosts[0] if self.state.hosts else "rank 0's node"
-            return 409, {
-                "ok": False,
-                "error": f"this node's serve job takes status and stop only: push on {where} "
-                "(the node of global rank 0)",
-            }
+        refusal = self._not_here()
+        if refusal:
+            return refusal
         problem = _check_push(doc)
         if problem:
             return 400, {"ok": False, "error": problem}
-        with self._lock:
-            if self._stop_reason is not None or self.state.stopping:
-                return 503, {"ok": False, "error": "the serve job is stopping"}
-            if len(self._queue) >= MAX_QUEUED:
-                return 503, {"ok": False, "error": f"{MAX_QUEUED} pushes are already waiting"}
-            command = {
+        return self._enqueue(
+            {
                 "action": "push",
-                "seq": self._next_seq,
                 "checkpoint_path": doc["checkpoint_path"],
                 "checkpoint_name": doc.get("checkpoint_name"),
                 "weight_version": doc.get("weight_version"),
                 "consume_shm_files": bool(doc.get("consume_shm_files")),
                 "verify": bool(doc.get("verify")),
+                "push_id": doc.get("push_id"),
             }
+        )
+
+    def handle_rollback(self, doc: Any) -> tuple[int, dict[str, Any]]:
+        """Push the whole checkpoint before the last whole one again, with its weight version
+        (refused, exit 3, if there is none or its files changed)."""
+        refusal = self._not_here()
+        if refusal:
+            return refusal
+        if doc is not None and (not isinstance(doc, dict) or set(doc) - {"push_id"}):
+            return 400, {"ok": False, "error": 'rollback takes no fields but "push_id"'}
+        with self._lock:
+            earlier = self.state.previous()
+        if earlier is None:
+            return 200, {
+                "ok": False,
+                "exit_code": int(ExitCode.INVALID_INPUT),
+                "error": "nothing to roll back to: the job has not pushed two whole checkpoints",
+            }
+        return self._enqueue(
+            {
+                "action": "rollback",
+                "restores": earlier["seq"],
+                "checkpoint_path": earlier["checkpoint_path"],
+                "checkpoint_name": earlier["checkpoint_name"],
+                "weight_version": earlier["weight_version"],
+                "push_id": (doc or {}).get("push_id"),
+            }
+        )
+
+    def handle_cancel(self, doc: Any) -> tuple[int, dict[str, Any]]:
+        """Give up the push a client named (its `push_id`): taken off the queue if it waits, its
+        transfer ended (and the server restored) if it runs."""
+        push_id = doc.get("push_id") if isinstance(doc, dict) else None
+        if not isinstance(push_id, str) or not push_id:
+            return 400, {"ok": False, "error": 'cancel needs {"push_id": ID}'}
+        with self._lock:
+            waiting = next((p for p in self._queue if p.command.get("push_id") == push_id), None)
+            if waiting is not None:
+                self._queue.remove(waiting)
+            running = self._running
+        if waiting is not None:
+            result = {"ok": False, "exit_code": int(ExitCode.INTERRUPTED),
+                      "error": "cancelled before it ran", "seq": waiting.command["seq"],
+                      "server_weights": None}  # fmt: skip
+            waiting.finish(result)
+            return 200, {"ok": True, "cancel": "cancelled", "seq": waiting.command["seq"]}
+        if running is not None and running[0].get("push_id") == push_id:
+            running[1].publish_abort(ExitCode.INTERRUPTED, "cancelled by its client", request=True)
+            return 200, {"ok": True, "cancel": "cancelling", "seq": running[0]["seq"]}
+        return 200, {"ok": True, "cancel": "not found"}  # already over (its answer says how)
+
+    def _enqueue(self, command: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            if self._stop_reason is not None or self.state.stopping:
+                return 503, {"ok": False, "error": "the serve job is stopping"}
+            if len(self._queue) >= MAX_QUEUED:
+                return 503, {"ok": False, "error": f"{MAX_QUEUED} pushes are already waiting"}
+            command["seq"] = self._next_seq
             self._next_seq += 1
             pending = _Pending(command)
             self._queue.append(pending)
@@ -258,16 +368,35 @@ class ServeLoop:
         return 200, pending.result
 
     def request_stop(self, reason: str) -> None:
+        """End the job: at the next tick when idle; a command under way is given up first
+        (its transfer ended), and if it has not ended within STOP_GRACE_S, the watchdog ends
+        this rank (and torchrun the others)."""
         with self._lock:
             if self._stop_reason is None:
                 self._stop_reason = reason
+            running = self._running
+        if running is not None:
+            running[1].publish_abort(ExitCode.FAILED, f"stopped ({reason})", request=True)
+            self.job.watchdog.end_at(
+                time.monotonic() + STOP_GRACE_S,
+                ExitCode.FAILED,
+                f"{reason}, but push {running[0]['seq']} did not end within {STOP_GRACE_S:g}s: "
+                "ending the job",
+            )
         self._wake.set()
+
+    def _on_signal(self, sig: Any) -> None:
+        """The first SIGTERM/SIGINT stops the job cleanly; a second one ends it at once."""
+        self._signals += 1
+        if self._signals > 1:
+            self.job.watchdog.exit_on_signal(sig)
+        self.request_stop(f"stopped by {sig.name}")
 
     # -- the loop (main thread) ------------------------------------------------------------------------
     def run(self) -> str:
         """Run every command, in order, until a stop; returns why it stopped."""
         job = self.job
-        job.watchdog.on_signal = lambda sig: self.request_stop(f"stopped by {sig.name}")
+        job.watchdog.on_signal = self._on_signal
         job.watchdog.deadline = float("inf")  # serving is not bounded; each push is
         try:
             while True:
@@ -306,12 +435,12 @@ class ServeLoop:
 
     def _run(self, command: dict[str, Any]) -> dict[str, Any]:
         self.state.begin(command)
-        mine = self._execute(command)
-        ranks = self.channel.gather(mine, self.push_timeout + HARD_GRACE_S + TICK_TIMEOUT_S)
-        merged = merge_results(command, ranks)
+        merged = self._run_everywhere(command)
+        if merged["server_weights"] == "partial":
+            self._restore(merged)
         self.state.record(merged)
         if self.rank == 0:
-            what = f"push {merged['seq']} ({merged['checkpoint_path']})"
+            what = f"{merged['action']} {merged['seq']} ({merged['checkpoint_path']})"
             self.job.reporter.log(
                 f"{what}: done in {merged['seconds']:.2f}s"
                 if merged["ok"]
@@ -319,20 +448,65 @@ class ServeLoop:
             )
         return merged
 
+    def _run_everywhere(self, command: dict[str, Any]) -> dict[str, Any]:
+        mine = self._execute(command)
+        ranks = self.channel.gather(mine, self.push_timeout + HARD_GRACE_S + TICK_TIMEOUT_S)
+        return merge_results(command, ranks)
+
+    def _restore(self, merged: dict[str, Any]) -> None:
+        """A push failed after the server began taking its weights: push the last whole
+        checkpoint again, so that the server ends whole on the previous version. Every rank
+        decides alike (`merged` and the state are the same on every rank)."""
+        whole = self.state.weights
+        if not self.restore or whole is None:
+            why = "serve --no-restore" if not self.restore else "no whole push before it"
+            merged["error"] += f" ({PARTIAL_WEIGHTS_NOTE}; not restored: {why})"
+            return
+        restore = {
+            "action": "restore",
+            "seq": merged["seq"],
+            "restores": whole["seq"],
+            "checkpoint_path": whole["checkpoint_path"],
+            "checkpoint_name": whole["checkpoint_name"],
+            "weight_version": whole["weight_version"],
+        }
+        self.state.begin(restore)
+        again = self._run_everywhere(restore)
+        merged["restore"] = {
+            "ok": again["ok"],
+            "restored_push": whole["seq"],
+            "seconds": again["seconds"],
+            "error": again["error"],
+        }
+        if again["ok"]:
+            merged["server_weights"] = "whole"
+            merged["error"] += f"; server weights: whole again (restored push {whole['seq']})"
+        else:
+            merged["error"] += (
+                f" ({PARTIAL_WEIGHTS_NOTE}: the restore of push {whole['seq']} failed: "
+                f"{again['error']})"
+            )
+
     def _execute(self, command: dict[str, Any]) -> dict[str, Any]:
-        """This rank's part of one push, under the push's own deadline."""
+        """This rank's part of one command, under its own deadline."""
         job = self.job
         assert job.coordinator is not None
         job.reporter.figures = StageLog()  # this push's stages only
         deadline = time.monotonic() + self.push_timeout
         job.watchdog.deadline = deadline + HARD_GRACE_S
         clock = PushClock(job.watchdog, deadline, self.push_timeout)
-        push_job = Job(
-            job.launch,
-            job.coordinator.scoped(f"push{command['seq']}"),
-            cast(Any, clock),
-            job.reporter,
-        )
+        scope = f"push{command['seq']}" + ("-restore" if command["action"] == "restore" else "")
+        push_job = Job(job.launch, job.coordinator.scoped(scope), cast(Any, clock), job.reporter)
+        with self._lock:
+            self._running = (command, push_job.coordinator)
+            stop_reason = self._stop_reason
+        if stop_reason is not None and command["action"] != "restore":
+            # A stop that came as it started: give it up at once. (A restore still runs: it
+            # leaves the server whole, and the stop's grace bounds it.)
+            assert push_job.coordinator is not None
+            push_job.coordinator.publish_abort(
+                ExitCode.FAILED, f"stopped ({stop_reason})", request=True
+            )
         started = time.perf_counter()
         try:
             result = {"ok": True, "exit_code": 0, "error": None, **self.execute(push_job, command)}
@@ -342,6 +516,8 @@ class ServeLoop:
             result = failure_result(exc)
         finally:
             job.watchdog.deadline = float("inf")
+            with self._lock:
+                self._running = None
         if not result["ok"]:
             assert push_job.coordinator is not None
             push_job.coordinator.publish_abort(result["exit_code"], result["error"])
@@ -378,6 +554,7 @@ def serve_loop(
     push_timeout: float,
     state: dict[str, Any] | None = None,
     targets: list[str] | None = None,
+    restore: bool = True,
 ) -> str:
     """Serve commands until a stop; returns why it stopped.
 
@@ -398,6 +575,7 @@ def serve_loop(
             state=state if state is not None else {},
             targets=targets or [],
         )
+        loop.restore = restore
         # Every rank is in the group: learn where each one runs (status names rank 0's host).
         hosts = channel.gather({"host": socket.gethostname()}, TICK_TIMEOUT_S)
         loop.state.hosts = [d["host"] for d in hosts]

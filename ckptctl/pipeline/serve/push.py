@@ -36,10 +36,10 @@ from typing import Any
 from ckptctl.errors import (
     PARTIAL_WEIGHTS_NOTE,
     CkptctlError,
-    DeadlineExceeded,
     ExitCode,
-    OperationFailed,
+    InvalidInput,
 )
+from ckptctl.pipeline.coordination import abort_error, describe_abort
 from ckptctl.pipeline.job import Job
 
 Executor = Any  # Callable[[Job, dict], dict] (loop.py)
@@ -73,20 +73,23 @@ class PushClock:
 class PushFailure:
     """Ends a push's transfer on this rank when the push fails during it.
 
-    Called by the leader's request thread with the server's refusal, and by the watcher on
-    every rank when another rank's push failed (the push's abort key) or the push's deadline
-    passed.
+    Called by the leader's request thread with the server's refusal (or its death), and by the
+    watcher on every rank when the push was given up (its abort key: another rank failed, a
+    stop, a cancel) or its deadline passed. Its message is final: `raise_if_failed`.
     """
 
     def __init__(self, job: Job, session: Any) -> None:
         self.job = job
         self.session = session
+        self.request: Any = None  # the push's ServerRequest, abandoned on a failure
         self.code: int | None = None
         self.message = ""
         self._handled = threading.Event()
         self._update_over = threading.Event()
 
     def __call__(self, code: int, message: str) -> None:
+        if self._update_over.is_set():
+            return  # a late word from an abandoned request: the push is decided already
         assert self.job.coordinator is not None
         self.job.coordinator.publish_abort(code, message)
         self._end_transfer(code, message)
@@ -96,10 +99,14 @@ class PushFailure:
             return
         self._handled.set()
         self.code, self.message = code, message
+        if self.request is not None:
+            self.request.abandon()
         if self.session.rescue(message):
             return
-        # The workers connected: checkpoint-engine's own error path should end the transfer
-        # on every rank; if it does not, only ending the process frees checkpoint-engine.
+        # The workers connected: a cancel sends checkpoint-engine down its own error path on
+        # every rank (parameter_server.ReplyWatchingSocket.cancel). Where even that does not
+        # end the transfer (a peer rank stuck in NCCL), only ending the process frees it.
+        self.session.cancel(message)
         threading.Thread(
             target=self._end_job_if_stuck,
             args=(code, message),
@@ -128,7 +135,7 @@ class PushFailure:
             while not done.wait(0.1):
                 abort = self.job.coordinator.aborted()
                 if abort is not None:
-                    self._end_transfer(int(abort["code"]), str(abort["message"]))
+                    self._end_transfer(int(abort["code"]), describe_abort(abort))
                     return
                 if clock.remaining() < -2.0:
                     self(
@@ -150,16 +157,28 @@ class PushFailure:
     def raise_if_failed(self) -> None:
         if self.code is None:
             return
-        raise (DeadlineExceeded if self.code == ExitCode.TIMEOUT else OperationFailed)(self.message)
+        raise abort_error({"code": self.code, "message": self.message, "request": True})
+
+
+# A restore right after a failed push waits this long at most for the server: one that died
+# with the push lost its weights anyway, and the job must take the next command (a stop) soon.
+RESTORE_SERVER_WAIT_S = 5.0
+# Whole pushes whose checkpoints a restore or a rollback may push again (the latest last).
+KEPT_WHOLE = 4
 
 
 def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]) -> Executor:
-    """One push: the stages of `update`, then the previous checkpoint is unregistered."""
+    """One command: a push (the stages of `update`, then the previous checkpoint is
+    unregistered), or a restore / rollback, which pushes an earlier whole checkpoint again
+    (`command["restores"]`: its push's seq) if its files have not changed since."""
     from ckptctl.pipeline import stages
     from ckptctl.pipeline.verification import check_offers, check_weights, start_hashing
 
     def execute(job: Job, command: dict[str, Any]) -> dict[str, Any]:
+        action = command.get("action", "push")
         name = command.get("checkpoint_name") or f"push-{command['seq']}"
+        if action != "push":
+            name = f"{name}-{action}-{command['seq']}"
         if name == state.get("registered"):
             name = f"{name}-{command['seq']}"  # the one being served is still registered
         from ckptctl.pipeline.update import check_consumable_together, check_consume
@@ -167,6 +186,8 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
         mode = "consume" if command.get("consume_shm_files") else opts.register_mode
         split = check_consume(command["checkpoint_path"], mode, opts.split)
         checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], split)
+        if action != "push":
+            _check_unchanged(state, command, checkpoint)
         if mode == "consume":
             check_consumable_together(job, plan)  # before any rank consumes a file
         pool = state.get("pool")  # serve --register-mode direct: buffers kept between pushes
@@ -189,7 +210,16 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
         transfer_began = False
         verified = None
         try:
-            stages.wait_for_server(job, assignment, opts.servers.engine)
+            # The first push may wait for the server's start-up (its deadline); later ones
+            # wait --server-wait at most: a server that is down fails the push, not the job.
+            if action == "restore":
+                wait, flag = min(opts.server_wait, RESTORE_SERVER_WAIT_S), "a restore's wait"
+            elif state.get("server_seen"):
+                wait, flag = opts.server_wait, "serve --server-wait"
+            else:
+                wait, flag = None, "serve --push-timeout"
+            stages.wait_for_server(job, assignment, opts.servers.engine, limit_s=wait, flag=flag)
+            state["server_seen"] = True
             verification = None
             if command.get("verify"):  # push --verify: before anything is pushed (exit 3)
                 verification = check_offers(job, assignment, round_trip=False)
@@ -208,7 +238,9 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
                 timeout=opts.push_timeout,
                 transfer_finished=session.wait_transfer_finished,
                 on_failure=failure,
+                flag="serve --push-timeout",
             )
+            failure.request = request
             transfer_began = True
             with failure.watching():
                 try:
@@ -247,6 +279,11 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
             pool.trim()  # the consumed files hold this push: unpin what the pool kept idle
         if pool is not None:
             state["pinned_pool_bytes"] = pool.pinned_bytes  # (read by status)
+        if mode != "consume":  # consumed files are gone: nothing to push again from them
+            whole = state.setdefault("whole", {})
+            whole[command.get("restores", command["seq"])] = checkpoint
+            for old in sorted(whole)[:-KEPT_WHOLE]:
+                del whole[old]
         return {
             "checkpoint_name": name,
             "split": plan.split,
@@ -259,3 +296,23 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
         }
 
     return execute
+
+
+def _check_unchanged(state: dict[str, Any], command: dict[str, Any], checkpoint: Any) -> None:
+    """A restore or rollback pushes the checkpoint of push `command["restores"]` again only if
+    its files are the ones that push read (exit 3 otherwise): same files, same inodes, sizes
+    and mtimes, same headers."""
+    from ckptctl.checkpoint.headers import changed_since
+
+    seq = command["restores"]
+    before = state.get("whole", {}).get(seq)
+    if before is None:
+        raise InvalidInput(
+            f"push {seq}'s checkpoint cannot be pushed again: its files were consumed, or it is "
+            f"older than the last {KEPT_WHOLE} whole pushes"
+        )
+    change = changed_since(before, checkpoint)
+    if change is not None:
+        raise InvalidInput(
+            f"push {seq}'s checkpoint changed since it was pushed ({change}): not pushing it again"
+        )

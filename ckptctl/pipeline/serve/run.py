@@ -20,6 +20,8 @@ class ServeOptions:
     register_mode: str = "direct"
     read_threads: int | None = None
     push_timeout: float = 600.0
+    server_wait: float = 30.0  # after the first push: how long a push waits for the server
+    restore: bool = True  # push the last whole checkpoint again after a partial failure
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
     verbose: bool = False
@@ -58,6 +60,7 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
             push_timeout=opts.push_timeout,
             state=state,
             targets=targets,
+            restore=opts.restore,
         )
         if state["registered"] is not None:
             session.unregister(state["registered"], state["pool"])
