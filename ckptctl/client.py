@@ -77,6 +77,7 @@ def push(
     checkpoint_name: str | None = None,
     consume_shm_files: bool = False,
     verify: bool = False,
+    allow_layout_change: bool = False,
     control_socket: str | None = None,
     endpoint: str | Sequence[str] = (),
     uds: str | Sequence[str] = (),
@@ -87,7 +88,9 @@ def push(
     """Push a checkpoint through the serve job and wait for it: the job's answer (`ok`,
     `seconds`, `server_weights`, `verified`, every rank's figures...), which is also
     `ckptctl push --json`'s. A push that ran and failed raises, with the job's own error line;
-    with check=False its answer is returned instead (ok false, exit_code, error)."""
+    with check=False its answer is returned instead (ok false, exit_code, error). A checkpoint
+    whose tensor names, dtypes or shapes differ from those the job served last is refused
+    (InvalidInput) unless `allow_layout_change`."""
     path = find_job(control_socket, endpoint, uds, wait)
     answer = request(
         path,
@@ -99,6 +102,7 @@ def push(
             "checkpoint_name": checkpoint_name,
             "consume_shm_files": consume_shm_files,
             "verify": verify,
+            "allow_layout_change": allow_layout_change,
         },
         timeout,
     )

@@ -20,9 +20,9 @@ SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))
 pytestmark = pytest.mark.slow
 
 
-def _push(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _push(sock: str, *args: str, path: Path = TINY) -> subprocess.CompletedProcess[str]:
     return run_script(
-        "push", "--control-socket", sock, "--checkpoint-path", str(TINY), "--json", *args,
+        "push", "--control-socket", sock, "--checkpoint-path", str(path), "--json", *args,
         timeout=120,
     )  # fmt: skip
 
@@ -191,3 +191,67 @@ def test_an_update_that_breaks_off_after_the_workers_connected_says_partial_in_i
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and doc["server_weights"] == "partial", doc
     assert "partly updated weights" in doc["error"]
+
+
+def test_a_push_of_other_shapes_is_refused_before_anything_is_sent(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    """Issue 23 item 7: the job knows the served tensors' names, dtypes and shapes. A push of
+    another layout exits 3 naming the tensor and both shapes, with no request to the server
+    and the served checkpoint kept registered (direct mode: its pool not refilled); the next
+    push of the served layout works, and --allow-layout-change pushes the other one anyway
+    (whose layout is then the served one)."""
+    import torch
+    from ckpt_factory import write_real_checkpoint
+
+    def checkpoint(name: str, w_shape: tuple[int, ...]) -> Path:
+        tensors = {
+            "embed": torch.zeros(8, 4),
+            "w": torch.ones(w_shape),
+            "norm": torch.ones(4),
+            "head": torch.zeros(4, 8),
+        }
+        return write_real_checkpoint(tmp_path / name, [tensors])
+
+    a, b = checkpoint("a", (4, 4)), checkpoint("b", (4, 6))
+    sock, events = str(short_tmp / "serve.sock"), tmp_path / "events"
+    env = {"CPU_PS_EVENTS": str(events)}
+    with (
+        FakeServer(Behaviour()) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, env=env) as job,
+    ):
+
+        def updates() -> int:
+            return sum(r["path"] == "/update_weights_from_ipc" for r in list(s.behaviour.requests))
+
+        assert wait_for_path(sock)
+        first = _push(sock, "--checkpoint-name", "first", path=a)
+        assert first.returncode == 0, first.stderr
+        assert _status(sock)["served_tensors"] == 4
+        sent, seen = updates(), events.read_text()
+
+        refused = _push(sock, "--weight-version", "other", path=b)
+        assert refused.returncode == 3, refused.stderr
+        shapes = "w: F32 [4, 6] here, F32 [4, 4] served"
+        assert shapes in refused.stderr and "--allow-layout-change" in refused.stderr
+        doc = json.loads(refused.stdout)
+        assert doc["exit_code"] == 3 and shapes in doc["error"] and doc["server_weights"] is None
+        assert updates() == sent and s.behaviour.weight_version != "other"
+        assert events.read_text() == seen  # nothing unregistered, nothing updated
+        st = _status(sock)
+        assert st["state"] == "idle" and st["registered"] == "first"
+        assert st["server_weights"] == "whole" and st["last"]["exit_code"] == 3
+        human = run_script("status", "--control-socket", sock, timeout=30).stdout
+        assert "served layout: 4 tensors" in human, human
+
+        again = _push(sock, "--weight-version", "a-again", path=a)
+        assert again.returncode == 0, again.stderr
+        assert s.behaviour.weight_version == "a-again" and updates() == sent + 1
+
+        allowed = _push(sock, "--allow-layout-change", "--weight-version", "b", path=b)
+        assert allowed.returncode == 0, allowed.stderr
+        assert s.behaviour.weight_version == "b" and updates() == sent + 2
+        back = _push(sock, path=a)  # b's layout is the served one now
+        assert back.returncode == 3 and "w: F32 [4, 4] here, F32 [4, 6] served" in back.stderr
+        _, err = _stop(job, sock)
+    assert job.returncode == 0, err[-3000:]

@@ -14,6 +14,7 @@ import typer
 
 from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
 from ckptctl.cli._options import (
+    FLAG,
     SERVE_JOB,
     WAITING,
     ApiKeyOpt,
@@ -165,6 +166,16 @@ def push_command(
     ] = None,
     consume_shm_files: ConsumeShmOpt = False,
     verify: VerifyOpt = False,
+    allow_layout_change: Annotated[
+        bool,
+        typer.Option(
+            "--allow-layout-change",
+            metavar=FLAG,
+            rich_help_panel="Checkpoint",
+            help="Push even if its tensor names, dtypes or shapes differ from those the job "
+            "served last (refused with exit 3 otherwise, before anything is sent).",
+        ),
+    ] = False,
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
@@ -194,6 +205,7 @@ def push_command(
         checkpoint_name=checkpoint_name,
         consume_shm_files=consume_shm_files,
         verify=verify,
+        allow_layout_change=allow_layout_change,
         control_socket=control_socket,
         endpoint=endpoint or (),
         uds=uds or (),
@@ -340,4 +352,9 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
             lines.append(f"{head}: failed (exit {last.get('exit_code')}): {last.get('error')}")
     if doc.get("registered"):
         lines.append(f"registered: {doc['registered']}")
+    if doc.get("served_tensors"):
+        lines.append(
+            f"served layout: {doc['served_tensors']} tensors (a push of other names, dtypes or "
+            "shapes is refused without --allow-layout-change)"
+        )
     return lines

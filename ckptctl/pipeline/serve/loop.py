@@ -49,6 +49,7 @@ PUSH_FIELDS = {
     "weight_version",
     "consume_shm_files",
     "verify",
+    "allow_layout_change",
 }
 
 
@@ -209,7 +210,10 @@ class ServeLoop:
     def handle_status(self, _doc: Any) -> tuple[int, dict[str, Any]]:
         with self._lock:
             queued = len(self._queue)
-        extra = {k: self.executor_state.get(k) for k in ("registered", "pinned_pool_bytes")}
+        extra = {
+            k: self.executor_state.get(k)
+            for k in ("registered", "pinned_pool_bytes", "served_tensors")
+        }
         return 200, self.state.snapshot(queued, extra)
 
     def handle_stop(self, _doc: Any) -> tuple[int, dict[str, Any]]:
@@ -240,6 +244,7 @@ class ServeLoop:
                 "weight_version": doc.get("weight_version"),
                 "consume_shm_files": bool(doc.get("consume_shm_files")),
                 "verify": bool(doc.get("verify")),
+                "allow_layout_change": bool(doc.get("allow_layout_change")),
             }
             self._next_seq += 1
             pending = _Pending(command)
@@ -364,7 +369,7 @@ def _check_push(doc: Any) -> str | None:
         value = doc.get(key)
         if value is not None and (not isinstance(value, str) or len(value) > 1024):
             return f"{key} must be a string of at most 1024 characters"
-    for key in ("consume_shm_files", "verify"):
+    for key in ("consume_shm_files", "verify", "allow_layout_change"):
         if not isinstance(doc.get(key, False), bool):
             return f"{key} must be true or false"
     return None
