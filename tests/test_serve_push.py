@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cpu_serve_job, run_script, wait_for_path
-from fake_server import Behaviour, FakeServer, torchrun_cmd
+from fake_server import Behaviour, FakeServer, free_master_port, torchrun_cmd
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))
@@ -255,3 +255,45 @@ def test_a_push_of_other_shapes_is_refused_before_anything_is_sent(
         assert back.returncode == 3 and "w: F32 [4, 4] here, F32 [4, 6] served" in back.stderr
         _, err = _stop(job, sock)
     assert job.returncode == 0, err[-3000:]
+
+
+def test_a_long_lived_job_deletes_the_store_keys_of_every_finished_push(short_tmp: Path) -> None:
+    """Issue 23 item 6: each push's keys (its scope push<seq>/: plans, barriers, figures, its
+    abort notice) are deleted once every rank is past it, whether it succeeded or failed, so a
+    job that pushes for days does not grow torchrun's store."""
+    import re
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    sock, port = str(short_tmp / "serve.sock"), free_master_port()
+    log = short_tmp / "ps"
+    with (
+        FakeServer(Behaviour()) as s,
+        cpu_serve_job(
+            s.endpoint, "--control-socket", sock, "--push-timeout", "900",
+            env={"CPU_PS_LOG": str(log)}, port=port,
+        ) as job,
+    ):  # fmt: skip
+        assert wait_for_path(sock)
+        store = TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30))
+        assert _push(sock).returncode == 0
+        assert _push(sock, path=short_tmp / "no-such-checkpoint").returncode == 3
+        s.behaviour.update_status = 400  # refused by the server: the push's abort notice
+        assert _push(sock).returncode == 1
+        s.behaviour.update_status = 200
+        assert _push(sock).returncode == 0
+        keys = store.list_keys()
+        assert any(re.search(r"/hb/\d+$", k) for k in keys), keys  # the job's store indeed
+        left = [k for k in keys if re.search(r"(^|/)push\d+/", k)]
+        assert not left, left
+        _, err = _stop(job, sock)
+    assert job.returncode == 0, err[-3000:]
+    # Also item 6: NCCL's collective timeout outlasts the longest a push may wait (900 s, then
+    # the watchdog's grace), where checkpoint-engine's 10 minutes would SIGABRT a long push.
+    from ckptctl.pipeline.process_group import TIMEOUT_GRACE_S
+    from ckptctl.pipeline.serve.push import HARD_GRACE_S
+
+    for rank in (0, 1):
+        session = json.loads(Path(f"{log}.session.{rank}").read_text())
+        assert session["group_timeout_s"] == 900 + HARD_GRACE_S + TIMEOUT_GRACE_S, session

@@ -313,6 +313,9 @@ class ServeLoop:
         self.state.begin(command)
         mine = self._execute(command)
         ranks = self.channel.gather(mine, self.push_timeout + HARD_GRACE_S + TICK_TIMEOUT_S)
+        # Every rank is past the push (it sent its result): nobody reads its store keys now.
+        assert self.job.coordinator is not None
+        self.job.coordinator.drop_scope(f"push{command['seq']}")
         merged = merge_results(command, ranks)
         self.state.record(merged)
         if self.rank == 0:
