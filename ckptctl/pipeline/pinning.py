@@ -40,7 +40,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint.headers import Checkpoint, TensorInfo, open_planned
-from ckptctl.errors import InvalidInput, OperationFailed
+from ckptctl.errors import InvalidInput, OperationFailed, print_error
 
 if TYPE_CHECKING:
     import torch
@@ -476,11 +476,16 @@ class DriverPin:
         self.pinned.append(address)
         return True
 
-    def unpin_all(self) -> None:
-        """Undo every `pin` (errors ignored: this only runs on the way out of a failure)."""
-        for address in self.pinned:
-            self._lib.cuMemHostUnregister(address)
+    def unpin_all(self) -> list[int]:
+        """Undo every `pin`; returns the positions (in `pinned`) of those the driver would not
+        unpin: that memory is still registered and must stay mapped (keep_registered)."""
+        failed = [
+            i
+            for i, address in enumerate(self.pinned)
+            if self._lib.cuMemHostUnregister(address) != self._SUCCESS
+        ]
         self.pinned = []
+        return failed
 
     def release(self) -> None:
         """Drop this thread's hold on the device's primary context (after `unpin_all`)."""
@@ -540,11 +545,36 @@ def address_of(memory: Any) -> int:
         del view  # (lets the mapping be closed later)
 
 
-def unpin(buffer: torch.Tensor) -> None:
-    """cudaHostUnregister: undo `pin_in_place` (errors ignored: the process is leaving)."""
+# Host memory that could not be unpinned. CUDA still has it registered, so it is never
+# unmapped: pages the system could hand out again while the driver holds them, and a range a
+# later registration would collide with. Kept for the life of the process.
+kept_registered: list[Any] = []
+
+
+def keep_registered(memory: Any, nbytes: int, why: str) -> None:
+    """Keep `memory` mapped for good, and say so (a failed unpin is a leak, not a crash)."""
+    kept_registered.append(memory)
+    print_error(
+        f"could not unpin {nbytes} bytes of host memory ({why}): keeping them mapped and "
+        "pinned until the process ends",
+        label="warning",
+    )
+
+
+def _unregister(address: int) -> int:
+    """cudaHostUnregister through torch's binding: the CUDA error code (0: done)."""
     import torch
 
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    return int(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+def unpin(buffer: torch.Tensor) -> bool:
+    """cudaHostUnregister: undo `pin_in_place`. Where that fails the buffer is kept
+    (keep_registered), never freed while still registered; returns whether it was unpinned."""
+    err = _unregister(buffer.data_ptr())
+    if err != 0:
+        keep_registered(buffer, buffer.numel(), f"cudaHostUnregister: CUDA error {err}")
+    return err == 0
 
 
 class PinnedPool:
@@ -705,12 +735,17 @@ class ShareReader:
             self._memory = []  # the tensors keep the memory alive
         if self._driver is not None and not self._driver.is_torchs_gpu(self._gpu_rank):
             # Not the GPU torch gives this rank: pin again below, in the right context.
-            self._driver.unpin_all()
+            stuck = self._unpin_by_driver()
             self._driver.release()
             for i in self._driver_pinned:
                 self._pinned[i] = False
             self._driver, self._driver_pinned = None, []
             self.pinned_before_torch = False
+            if stuck:  # (kept as they are: pinning them again would fail)
+                raise OperationFailed(
+                    "could not unpin host memory pinned in another GPU's context (see the "
+                    "warning above)"
+                )
         if self._pin:
             if any(b.size and not p for b, p in zip(self.buckets, self._pinned, strict=True)):
                 _use_this_ranks_gpu()
@@ -748,6 +783,16 @@ class ShareReader:
             self._driver_pinned.append(i)
         self.pinned_before_torch = bool(self._driver_pinned) and not torch_is_imported()
 
+    def _unpin_by_driver(self) -> bool:
+        """Undo the driver's pins; any it would not undo are kept mapped (keep_registered), and
+        no longer counted as this reader's. Returns whether some were."""
+        assert self._driver is not None
+        failed = [self._driver_pinned[j] for j in self._driver.unpin_all()]
+        for i in failed:
+            memory = self._buffers[i] if self._buffers else self._memory[i]
+            keep_registered(memory, self.buckets[i].size, "cuMemHostUnregister failed")
+        return bool(failed)
+
     @property
     def pinned_by_driver(self) -> bool:
         return bool(self._driver_pinned)
@@ -772,7 +817,7 @@ class ShareReader:
         """After a failed read or pin: pinned memory goes back to the pool or is unpinned, so
         that a failed push neither leaks it nor leaves an unpinned buffer in the pool."""
         if self._driver is not None and not self._buffers:  # failed before the tensors
-            self._driver.unpin_all()
+            self._unpin_by_driver()
             return
         for buffer, pinned in zip(self._buffers, self._pinned, strict=False):
             if self._pool is not None:
