@@ -297,3 +297,75 @@ def test_a_long_lived_job_deletes_the_store_keys_of_every_finished_push(short_tm
     for rank in (0, 1):
         session = json.loads(Path(f"{log}.session.{rank}").read_text())
         assert session["group_timeout_s"] == 900 + HARD_GRACE_S + TIMEOUT_GRACE_S, session
+
+
+def _resident(path: Path) -> tuple[int, int]:
+    """(pages of `path` in the page cache, its pages in all): mincore(2) over a mapping of it,
+    which faults nothing in."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(address, size, vec) == 0, ctypes.get_errno()
+            return sum(v & 1 for v in vec), pages
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+def test_serve_drop_page_cache_leaves_no_pushed_pages_in_the_page_cache(short_tmp: Path) -> None:
+    """Issue 23 item 6: a pushed checkpoint stays in the page cache beside its pinned copy.
+    With serve --drop-page-cache, each rank drops what it read: after the push, of each shard
+    only the pages at the edges of the ranks' spans (the header's, a boundary's) may remain."""
+    import tempfile
+
+    import torch
+    from ckpt_factory import write_real_checkpoint
+
+    # A real filesystem (tmpfs keeps its pages whatever the advice); /tmp may be tmpfs.
+    base = "/var/tmp" if os.path.isdir("/var/tmp") else None
+    with tempfile.TemporaryDirectory(dir=base, prefix="ckptctl-fadvise-") as where:
+        g = torch.Generator().manual_seed(3)
+        shards = [
+            {f"l{s}.w{i}": torch.randn(512, 512, generator=g) for i in range(3)} for s in (0, 1)
+        ]
+        ckpt = write_real_checkpoint(Path(where) / "ckpt", shards)
+        files = sorted(ckpt.glob("*.safetensors"))
+        for f in files:  # on disk: dirty pages are not dropped, whatever the advice
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        if _resident(files[0])[0] > 8:
+            pytest.skip(f"{where}: this filesystem keeps its pages on POSIX_FADV_DONTNEED")
+        for f in files:
+            f.read_bytes()  # cached, as a checkpoint just written is
+        before = [_resident(f) for f in files]
+        assert all(n > 0.9 * pages > 100 for n, pages in before), before
+        sock = str(short_tmp / "serve.sock")
+        with (
+            FakeServer(Behaviour()) as s,
+            cpu_serve_job(s.endpoint, "--control-socket", sock, "--drop-page-cache") as job,
+        ):
+            assert wait_for_path(sock)
+            pushed = _push(sock, path=ckpt)
+            assert pushed.returncode == 0, pushed.stderr
+            after = [_resident(f) for f in files]
+            _, err = _stop(job, sock)
+        assert job.returncode == 0, err[-3000:]
+    assert all(n <= 4 for n, _ in after), (before, after)

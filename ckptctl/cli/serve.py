@@ -42,6 +42,7 @@ from ckptctl.cli._options import (
 from ckptctl.cli._output import Output
 from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
 from ckptctl.errors import (
+    UsageError,
     redact,
 )
 
@@ -113,6 +114,16 @@ def serve_command(
     push_timeout: PushTimeoutOpt = 600.0,
     bucket_size_gb: BucketSizeOpt = None,
     mem_fraction: MemFractionOpt = None,
+    drop_page_cache: Annotated[
+        bool,
+        typer.Option(
+            "--drop-page-cache",
+            metavar=FLAG,
+            rich_help_panel="Checkpoint",
+            help="Drop each pushed checkpoint's pages from the page cache once read into "
+            "pinned memory (else the node holds it twice). Needs --register-mode direct.",
+        ),
+    ] = False,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -130,6 +141,11 @@ def serve_command(
     from ckptctl.pipeline.groups import ServerTargets
     from ckptctl.pipeline.serve.run import ServeOptions, run_serve
 
+    if drop_page_cache and register_mode != RegisterModeChoice.direct:
+        raise UsageError(
+            "--drop-page-cache needs --register-mode direct (checkpoint-engine's copy reads "
+            "through the file mapping)"
+        )
     out = Output(json_mode=json_output, quiet=quiet)
     opts = ServeOptions(
         servers=ServerTargets.from_flags(
@@ -148,6 +164,7 @@ def serve_command(
         bucket_size_gb=bucket_size_gb,
         mem_fraction=mem_fraction,
         verbose=verbose,
+        drop_page_cache=drop_page_cache,
     )
     run_job_with_display(run_serve, opts, out)
 

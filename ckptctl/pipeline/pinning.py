@@ -155,6 +155,7 @@ def fill(
     *,
     fresh: bool = False,
     on_read: Callable[[int], None] | None = None,
+    drop_cache: bool = False,
 ) -> None:
     """Read every tensor into its place; `targets` are writable byte views of the buckets.
 
@@ -162,7 +163,7 @@ def fill(
     and per run the Python work is a few slices, so the reading leaves the interpreter to the
     rest of the rank (the ParameterServer's start, `import torch`). `fresh`: the targets are
     untouched anonymous memory, populated run by run just before it is read into (see
-    `_populate`).
+    `_populate`). `drop_cache`: then drop what was read from the page cache (`drop_cached`).
     """
     runs = read_runs(buckets) if runs is None else runs
     populate = _Populate(targets) if fresh else None
@@ -202,11 +203,27 @@ def fill(
             w.join()
         if failed:
             raise failed[0]
+        if drop_cache:
+            drop_cached(fds, runs)
     except OSError as exc:
         raise InvalidInput(f"cannot read the checkpoint: {exc}") from None
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def drop_cached(fds: dict[str, int], runs: list[ReadRun]) -> None:
+    """posix_fadvise(DONTNEED) over the span of each file that `runs` read: those bytes are in
+    the buffers now, and kept in the page cache too they would take the node's memory twice.
+    Only this rank's span: another rank of the node may still be reading its own. Advice, not
+    a guarantee: a filesystem that keeps its pages (tmpfs) keeps them."""
+    spans: dict[str, tuple[int, int]] = {}
+    for run in runs:
+        lo, hi = spans.get(run.file, (run.pos, run.pos + run.nbytes))
+        spans[run.file] = (min(lo, run.pos), max(hi, run.pos + run.nbytes))
+    for name, (lo, hi) in spans.items():
+        with contextlib.suppress(OSError):  # (a filesystem without it)
+            os.posix_fadvise(fds[name], lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in as if written, in one call
@@ -658,12 +675,15 @@ class ShareReader:
         plan: Any = None,
         rank: int = 0,
         on_read: Callable[[int], None] | None = None,
+        drop_page_cache: bool = False,
     ) -> None:
         """pin: pin the buffers in place once read (needs CUDA; False for a CPU-only read).
         plan, rank: the job's plan and this rank's place in it: then every rank's metas are
         also worked out in the background, for `ParameterServerSession.gather_planned`.
-        on_read(n): called with the bytes of every read, from the reading threads (progress)."""
+        on_read(n): called with the bytes of every read, from the reading threads (progress).
+        drop_page_cache: drop what was read from the page cache afterwards (`drop_cached`)."""
         self.buckets = layout(tensors)
+        self._drop_page_cache = drop_page_cache
         self._pool = pool
         self._pin = pin
         self._on_read = on_read
@@ -722,6 +742,7 @@ class ShareReader:
             # anyway (bench/results/import-overlap-qwen3-8b.md).
             fresh=self._pool is None and not self._pin,
             on_read=self._on_read,
+            drop_cache=self._drop_page_cache,
         )
         self._targets = []
         self.read_seconds = time.perf_counter() - self._started

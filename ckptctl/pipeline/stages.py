@@ -201,11 +201,13 @@ def prefetch_share(
     plan: Any = None,
     read_threads: int | None = None,
     reporter: Reporter | None = None,
+    drop_page_cache: bool = False,
 ) -> Any | None:
     """In direct mode, start reading and pinning the share now, while the ParameterServer
     starts (into the pinned buffers of `pool` when a long-lived job keeps them); with `plan`,
     every rank's metas are worked out there too, for gather_metas. The bytes it reads count
-    towards the "register" stage that takes them over (`reporter`)."""
+    towards the "register" stage that takes them over (`reporter`). drop_page_cache: the
+    share's file pages are dropped from the page cache once read (pinning.drop_cached)."""
     if mode != "direct":
         return None
     from ckptctl.pipeline.pinning import ShareReader
@@ -220,6 +222,7 @@ def prefetch_share(
         plan=plan,
         rank=share.rank,
         on_read=on_read,
+        drop_page_cache=drop_page_cache,
     )
 
 

@@ -206,6 +206,7 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
             plan=plan,
             read_threads=opts.read_threads,
             reporter=job.reporter,
+            drop_page_cache=opts.drop_page_cache,
         )
         stages.register_share(job, session, name, checkpoint, share, mode, reader)
         transfer_began = False

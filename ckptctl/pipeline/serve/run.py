@@ -23,6 +23,7 @@ class ServeOptions:
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
     verbose: bool = False
+    drop_page_cache: bool = False  # each push's file pages, once read into pinned buffers
 
 
 def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict[str, Any]:
