@@ -333,7 +333,7 @@ def test_serve_drop_page_cache_leaves_no_pushed_pages_in_the_page_cache(short_tm
     import tempfile
 
     import torch
-    from ckpt_factory import write_real_checkpoint
+    from ckpt_factory import drop_cache, write_real_checkpoint
 
     # A real filesystem (tmpfs keeps its pages whatever the advice); /tmp may be tmpfs.
     base = "/var/tmp" if os.path.isdir("/var/tmp") else None
@@ -344,13 +344,7 @@ def test_serve_drop_page_cache_leaves_no_pushed_pages_in_the_page_cache(short_tm
         ]
         ckpt = write_real_checkpoint(Path(where) / "ckpt", shards)
         files = sorted(ckpt.glob("*.safetensors"))
-        for f in files:  # on disk: dirty pages are not dropped, whatever the advice
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        drop_cache(files)
         if _resident(files[0])[0] > 8:
             pytest.skip(f"{where}: this filesystem keeps its pages on POSIX_FADV_DONTNEED")
         for f in files:
