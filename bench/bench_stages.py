@@ -45,22 +45,12 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from bench_plan import timed  # noqa: E402
+from ckpt_factory import drop_cache  # noqa: E402
 
 CHUNK = 64 << 20
 
 
 # -- reading -------------------------------------------------------------------------------------
-
-
-def drop_cache(files: list[Path]) -> None:
-    """Evict the files from the page cache (no root needed: clean pages of files we can open)."""
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def limit_read(files: list[Path], threads: int, fresh: bool) -> float:

@@ -100,6 +100,7 @@ def push(
     checkpoint_name: str | None = None,
     consume_shm_files: bool = False,
     verify: bool = False,
+    allow_layout_change: bool = False,
     control_socket: str | None = None,
     endpoint: str | Sequence[str] = (),
     uds: str | Sequence[str] = (),
@@ -112,7 +113,9 @@ def push(
     """Push a checkpoint through the serve job and wait for it: the job's answer (`ok`,
     `seconds`, `server_weights`, `verified`, every rank's figures...), which is also
     `ckptctl push --json`'s. A push that ran and failed raises, with the job's own error line;
-    with check=False its answer is returned instead (ok false, exit_code, error).
+    with check=False its answer is returned instead (ok false, exit_code, error). A checkpoint
+    whose tensor names, dtypes or shapes differ from those the job served last is refused
+    (InvalidInput) unless `allow_layout_change`.
 
     on_progress: called about once a second, while the push waits or runs, with what `status`
     says of it (`running`: stage, detail, bytes_done...). push_id: a name of the caller's for
@@ -124,12 +127,11 @@ def push(
         "checkpoint_name": checkpoint_name,
         "consume_shm_files": consume_shm_files,
         "verify": verify,
+        "allow_layout_change": allow_layout_change,
         "push_id": push_id,
     }
     with _watching(path, on_progress):
-        answer = request(
-            path, "POST", "/push", body, timeout, flag="its --timeout, or timeout= from Python"
-        )
+        answer = request(path, "POST", "/push", body, timeout, flag=TIMEOUT_FLAG)
     return raise_if_failed(answer) if check else answer
 
 
@@ -153,7 +155,7 @@ def rollback(
             "/rollback",
             {"push_id": push_id},
             timeout,
-            flag="its --timeout, or timeout= from Python",
+            flag=TIMEOUT_FLAG,
         )
     return raise_if_failed(answer) if check else answer
 

@@ -85,13 +85,14 @@ CPU_PS_RANK = str(Path(__file__).with_name("cpu_ps_rank.py"))
 
 
 def cpu_serve_job(
-    endpoint: str, *flags: str, env: dict[str, str] | None = None
+    endpoint: str, *flags: str, env: dict[str, str] | None = None, port: int | None = None
 ) -> AbstractContextManager[subprocess.Popen[str]]:
     """A 2-rank `ckptctl serve` job under a real torchrun, feeding the TP2 server at
-    `endpoint`, with only checkpoint-engine's ParameterServer stood in (cpu_ps_rank.py)."""
+    `endpoint`, with only checkpoint-engine's ParameterServer stood in (cpu_ps_rank.py);
+    `port`: torchrun's master port (its store), else a free one."""
     return torchrun_job(
         CPU_PS_RANK, "serve", "--inference-parallel-size", "2", "--endpoint", endpoint, *flags,
-        env=env,
+        env=env, port=port,
     )  # fmt: skip
 
 

@@ -39,9 +39,20 @@ class CpuParameterServerSession:
     in a thread, the way checkpoint-engine does."""
 
     def __init__(
-        self, *, p2p: str, io_timeout: Any, group_store: Any = None, on_failure: Any = None
+        self,
+        *,
+        p2p: str,
+        io_timeout: Any,
+        group_store: Any = None,
+        on_failure: Any = None,
+        group_timeout_s: float | None = None,
     ) -> None:
         self.group_store = group_store  # the job's store (None for one process)
+        self.group_timeout_s = group_timeout_s  # the NCCL group's, were there one
+        log = os.environ.get("CPU_PS_LOG")
+        if log:
+            with open(f"{log}.session.{os.environ['RANK']}", "w") as fh:
+                json.dump({"group_timeout_s": group_timeout_s}, fh)
         self.updates: dict[str, int] = {}  # per checkpoint name: the key of each update
         self.p2p_enabled = False
         self.p2p_error = None

@@ -185,6 +185,11 @@ def test_a_failed_command_as_the_installed_script() -> None:
         (["update", "--endpoint"], "error: --endpoint needs a value (see ckptctl update --help)"),
         (["inspect-metas"], "error: FILE is required (see ckptctl inspect-metas --help)"),
         (["updat"], "error: no such command 'updat'; did you mean update? (see ckptctl --help)"),
+        (
+            ["serve", "--register-mode", "engine", "--drop-page-cache", "--endpoint", "http://h"],
+            "error: --drop-page-cache needs --register-mode direct (checkpoint-engine's copy "
+            "reads through the file mapping)",
+        ),
     ],
 )
 def test_usage_errors_are_one_line(

@@ -463,3 +463,84 @@ def test_torch_being_imported_is_not_imported_yet(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_failed_unpin_is_logged_and_its_buffer_kept_mapped(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    fails: bool,
+) -> None:
+    """Issue 23 item 6: memory CUDA still has registered must never be unmapped. A pool's
+    buffer whose cudaHostUnregister fails (made to fail here: no CUDA) is logged and kept
+    alive; one that was unpinned is freed as before."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(pinning, "_unregister", lambda address: 1 if fails else 0)
+    monkeypatch.setattr(pinning, "kept_registered", [])
+    pool = pinning.PinnedPool()
+    a = read_checkpoint(_share_of(tmp_path / "a", seed=1)[0])
+    buffers = pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
+    pool.give_back(buffers)
+    size, alive = pool.pinned_bytes, [weakref.ref(b.buffer) for b in buffers]
+    del buffers
+    pool.close()
+    gc.collect()
+    err = capsys.readouterr().err
+    if fails:
+        assert f"warning: could not unpin {size} bytes of host memory" in err
+        assert "CUDA error 1" in err and "keeping them mapped" in err
+        assert all(ref() is not None for ref in alive)  # still mapped
+        assert [t.numel() for t in pinning.kept_registered] == [size]
+    else:
+        assert err == "" and pinning.kept_registered == []
+        assert all(ref() is None for ref in alive)  # freed
+
+
+class _Driver:
+    """What DriverPin calls in libcuda, on CPU: pins are recorded, and unregistering the
+    addresses in `stuck` fails (CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, 713)."""
+
+    def __init__(self) -> None:
+        self.stuck: set[int] = set()
+        self.unregistered: list[int] = []
+
+    def cuMemHostUnregister(self, address: int) -> int:  # noqa: N802 - libcuda's name
+        self.unregistered.append(address)
+        return 713 if address in self.stuck else 0
+
+    def cuCtxSetCurrent(self, context: object) -> int:  # noqa: N802 - libcuda's name
+        return 0
+
+
+def test_memory_the_driver_would_not_unpin_stays_mapped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], ckpt: Path
+) -> None:
+    """Pinned through the driver, then found not to be torch's GPU (always, on CPU): the
+    buckets are unpinned to be pinned again. One the driver would not unpin is kept (logged),
+    the read fails rather than pin it twice, and no bucket is unpinned twice."""
+    from ckptctl.errors import OperationFailed
+
+    monkeypatch.setattr(pinning, "MIN_BUCKET", 700_000)
+    monkeypatch.setattr(pinning, "kept_registered", [])
+    lib = _Driver()
+    pinned: list[int] = []
+
+    def register(address: int, size: int, flags: int) -> int:
+        pinned.append(address)
+        lib.stuck = {pinned[0]}
+        return 0
+
+    driver = pinning.DriverPin(lib, register, lambda device: 0, 0, 0)
+    monkeypatch.setattr(pinning.DriverPin, "for_rank", classmethod(lambda cls, rank: driver))
+    monkeypatch.setattr(pinning, "pin_in_place", lambda b: pytest.fail("pinned again"))
+    monkeypatch.setattr(pinning, "unpin", lambda b: pytest.fail("unpinned again"))
+    checkpoint = read_checkpoint(ckpt)
+    reader = pinning.ShareReader(checkpoint, list(checkpoint.tensors), pin=True)
+    with pytest.raises(OperationFailed, match="could not unpin host memory"):
+        reader.result()
+    assert len(pinned) >= 3 and sorted(lib.unregistered) == sorted(pinned)
+    assert [t.data_ptr() for t in pinning.kept_registered] == [pinned[0]]  # as a tensor
+    assert "warning: could not unpin" in capsys.readouterr().err

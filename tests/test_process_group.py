@@ -67,6 +67,33 @@ def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_the_collective_timeout_outlasts_the_jobs_own_bound() -> None:
+    """Issue 23 item 6: NCCL aborts the process (SIGABRT) when a collective outlasts its
+    timeout, so a serve job of --push-timeout 900 must not keep checkpoint-engine's 10 min."""
+    from ckptctl.pipeline.process_group import MIN_TIMEOUT_S, TIMEOUT_GRACE_S, group_timeout_s
+
+    assert group_timeout_s(None) == group_timeout_s(float("inf")) == MIN_TIMEOUT_S == 600
+    assert group_timeout_s(60) == MIN_TIMEOUT_S  # never shorter than checkpoint-engine's
+    assert group_timeout_s(930) == 930 + TIMEOUT_GRACE_S > 930
+    assert group_timeout_s(MIN_TIMEOUT_S) > MIN_TIMEOUT_S
+
+
+def test_the_group_is_built_with_the_timeout_it_is_given() -> None:
+    r = _run("""
+        import torch, torch.distributed as dist
+        from ckptctl import results
+        from ckptctl.pipeline.process_group import BackgroundProcessGroup
+        g = BackgroundProcessGroup(rank=0, world_size=1, store=None, backend="gloo",
+                                   timeout_s=1234)
+        g.wait(30)
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        print(backend.options._timeout.total_seconds())
+        results.leave_group_to_exit(0)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1234.0"]
+
+
 def test_a_job_of_one_process_needs_no_store() -> None:
     r = _run("""
         import torch.distributed as dist

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cpu_serve_job, run_script, wait_for_path
-from fake_server import Behaviour, FakeServer, torchrun_cmd
+from fake_server import Behaviour, FakeServer, free_master_port, torchrun_cmd
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))
@@ -20,9 +20,9 @@ SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))
 pytestmark = pytest.mark.slow
 
 
-def _push(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _push(sock: str, *args: str, path: Path = TINY) -> subprocess.CompletedProcess[str]:
     return run_script(
-        "push", "--control-socket", sock, "--checkpoint-path", str(TINY), "--json", *args,
+        "push", "--control-socket", sock, "--checkpoint-path", str(path), "--json", *args,
         timeout=120,
     )  # fmt: skip
 
@@ -191,3 +191,175 @@ def test_an_update_that_breaks_off_after_the_workers_connected_says_partial_in_i
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and doc["server_weights"] == "partial", doc
     assert "partly updated weights" in doc["error"]
+
+
+def test_a_push_of_other_shapes_is_refused_before_anything_is_sent(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    """Issue 23 item 7: the job knows the served tensors' names, dtypes and shapes. A push of
+    another layout exits 3 naming the tensor and both shapes, with no request to the server
+    and the served checkpoint kept registered (direct mode: its pool not refilled); the next
+    push of the served layout works, and --allow-layout-change pushes the other one anyway
+    (whose layout is then the served one)."""
+    import torch
+    from ckpt_factory import write_real_checkpoint
+
+    def checkpoint(name: str, w_shape: tuple[int, ...]) -> Path:
+        tensors = {
+            "embed": torch.zeros(8, 4),
+            "w": torch.ones(w_shape),
+            "norm": torch.ones(4),
+            "head": torch.zeros(4, 8),
+        }
+        return write_real_checkpoint(tmp_path / name, [tensors])
+
+    a, b = checkpoint("a", (4, 4)), checkpoint("b", (4, 6))
+    sock, events = str(short_tmp / "serve.sock"), tmp_path / "events"
+    env = {"CPU_PS_EVENTS": str(events)}
+    with (
+        FakeServer(Behaviour()) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, env=env) as job,
+    ):
+
+        def updates() -> int:
+            return sum(r["path"] == "/update_weights_from_ipc" for r in list(s.behaviour.requests))
+
+        assert wait_for_path(sock)
+        first = _push(sock, "--checkpoint-name", "first", path=a)
+        assert first.returncode == 0, first.stderr
+        assert _status(sock)["served_tensors"] == 4
+        sent, seen = updates(), events.read_text()
+
+        refused = _push(sock, "--weight-version", "other", path=b)
+        assert refused.returncode == 3, refused.stderr
+        shapes = "w: F32 [4, 6] here, F32 [4, 4] served"
+        assert shapes in refused.stderr and "--allow-layout-change" in refused.stderr
+        doc = json.loads(refused.stdout)
+        assert doc["exit_code"] == 3 and shapes in doc["error"] and doc["server_weights"] is None
+        assert updates() == sent and s.behaviour.weight_version != "other"
+        assert events.read_text() == seen  # nothing unregistered, nothing updated
+        st = _status(sock)
+        assert st["state"] == "idle" and st["registered"] == "first"
+        assert st["server_weights"] == "whole" and st["last"]["exit_code"] == 3
+        human = run_script("status", "--control-socket", sock, timeout=30).stdout
+        assert "served layout: 4 tensors" in human, human
+
+        again = _push(sock, "--weight-version", "a-again", path=a)
+        assert again.returncode == 0, again.stderr
+        assert s.behaviour.weight_version == "a-again" and updates() == sent + 1
+
+        allowed = _push(sock, "--allow-layout-change", "--weight-version", "b", path=b)
+        assert allowed.returncode == 0, allowed.stderr
+        assert s.behaviour.weight_version == "b" and updates() == sent + 2
+        back = _push(sock, path=a)  # b's layout is the served one now
+        assert back.returncode == 3 and "w: F32 [4, 4] here, F32 [4, 6] served" in back.stderr
+        _, err = _stop(job, sock)
+    assert job.returncode == 0, err[-3000:]
+
+
+def test_a_long_lived_job_deletes_the_store_keys_of_every_finished_push(short_tmp: Path) -> None:
+    """Issue 23 item 6: each push's keys (its scope push<seq>/: plans, barriers, figures, its
+    abort notice) are deleted once every rank is past it, whether it succeeded or failed, so a
+    job that pushes for days does not grow torchrun's store."""
+    import re
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    sock, port = str(short_tmp / "serve.sock"), free_master_port()
+    log = short_tmp / "ps"
+    with (
+        FakeServer(Behaviour()) as s,
+        cpu_serve_job(
+            s.endpoint, "--control-socket", sock, "--push-timeout", "900",
+            env={"CPU_PS_LOG": str(log)}, port=port,
+        ) as job,
+    ):  # fmt: skip
+        assert wait_for_path(sock)
+        store = TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30))
+        assert _push(sock).returncode == 0
+        assert _push(sock, path=short_tmp / "no-such-checkpoint").returncode == 3
+        s.behaviour.update_status = 400  # refused by the server: the push's abort notice
+        assert _push(sock).returncode == 1
+        s.behaviour.update_status = 200
+        assert _push(sock).returncode == 0
+        keys = store.list_keys()
+        assert any(re.search(r"/hb/\d+$", k) for k in keys), keys  # the job's store indeed
+        left = [k for k in keys if re.search(r"(^|/)push\d+/", k)]
+        assert not left, left
+        _, err = _stop(job, sock)
+    assert job.returncode == 0, err[-3000:]
+    # Also item 6: NCCL's collective timeout outlasts the longest a push may wait (900 s, then
+    # the watchdog's grace), where checkpoint-engine's 10 minutes would SIGABRT a long push.
+    from ckptctl.pipeline.process_group import TIMEOUT_GRACE_S
+    from ckptctl.pipeline.serve.push import HARD_GRACE_S
+
+    for rank in (0, 1):
+        session = json.loads(Path(f"{log}.session.{rank}").read_text())
+        assert session["group_timeout_s"] == 900 + HARD_GRACE_S + TIMEOUT_GRACE_S, session
+
+
+def _resident(path: Path) -> tuple[int, int]:
+    """(pages of `path` in the page cache, its pages in all): mincore(2) over a mapping of it,
+    which faults nothing in."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(address, size, vec) == 0, ctypes.get_errno()
+            return sum(v & 1 for v in vec), pages
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+def test_serve_drop_page_cache_leaves_no_pushed_pages_in_the_page_cache(short_tmp: Path) -> None:
+    """Issue 23 item 6: a pushed checkpoint stays in the page cache beside its pinned copy.
+    With serve --drop-page-cache, each rank drops what it read: after the push, of each shard
+    only the pages at the edges of the ranks' spans (the header's, a boundary's) may remain."""
+    import tempfile
+
+    import torch
+    from ckpt_factory import drop_cache, write_real_checkpoint
+
+    # A real filesystem (tmpfs keeps its pages whatever the advice); /tmp may be tmpfs.
+    base = "/var/tmp" if os.path.isdir("/var/tmp") else None
+    with tempfile.TemporaryDirectory(dir=base, prefix="ckptctl-fadvise-") as where:
+        g = torch.Generator().manual_seed(3)
+        shards = [
+            {f"l{s}.w{i}": torch.randn(512, 512, generator=g) for i in range(3)} for s in (0, 1)
+        ]
+        ckpt = write_real_checkpoint(Path(where) / "ckpt", shards)
+        files = sorted(ckpt.glob("*.safetensors"))
+        drop_cache(files)
+        if _resident(files[0])[0] > 8:
+            pytest.skip(f"{where}: this filesystem keeps its pages on POSIX_FADV_DONTNEED")
+        for f in files:
+            f.read_bytes()  # cached, as a checkpoint just written is
+        before = [_resident(f) for f in files]
+        assert all(n > 0.9 * pages > 100 for n, pages in before), before
+        sock = str(short_tmp / "serve.sock")
+        with (
+            FakeServer(Behaviour()) as s,
+            cpu_serve_job(s.endpoint, "--control-socket", sock, "--drop-page-cache") as job,
+        ):
+            assert wait_for_path(sock)
+            pushed = _push(sock, path=ckpt)
+            assert pushed.returncode == 0, pushed.stderr
+            after = [_resident(f) for f in files]
+            _, err = _stop(job, sock)
+        assert job.returncode == 0, err[-3000:]
+    assert all(n <= 4 for n, _ in after), (before, after)

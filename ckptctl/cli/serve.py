@@ -42,7 +42,7 @@ from ckptctl.cli._options import (
 )
 from ckptctl.cli._output import Output
 from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
-from ckptctl.errors import CkptctlError, redact
+from ckptctl.errors import CkptctlError, UsageError, redact
 
 
 def _which_job(name: str, metavar: str, envvar: str, help: str) -> Any:
@@ -134,6 +134,16 @@ def serve_command(
     ] = False,
     bucket_size_gb: BucketSizeOpt = None,
     mem_fraction: MemFractionOpt = None,
+    drop_page_cache: Annotated[
+        bool,
+        typer.Option(
+            "--drop-page-cache",
+            metavar=FLAG,
+            rich_help_panel="Checkpoint",
+            help="Drop each pushed checkpoint's pages from the page cache once read into "
+            "pinned memory (else the node holds it twice). Needs --register-mode direct.",
+        ),
+    ] = False,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -153,6 +163,11 @@ def serve_command(
     from ckptctl.pipeline.groups import ServerTargets
     from ckptctl.pipeline.serve.run import ServeOptions, run_serve
 
+    if drop_page_cache and register_mode != RegisterModeChoice.direct:
+        raise UsageError(
+            "--drop-page-cache needs --register-mode direct (checkpoint-engine's copy reads "
+            "through the file mapping)"
+        )
     out = Output(json_mode=json_output, quiet=quiet)
     opts = ServeOptions(
         servers=ServerTargets.from_flags(
@@ -173,6 +188,7 @@ def serve_command(
         bucket_size_gb=bucket_size_gb,
         mem_fraction=mem_fraction,
         verbose=verbose,
+        drop_page_cache=drop_page_cache,
     )
     run_job_with_display(run_serve, opts, out)
 
@@ -191,6 +207,16 @@ def push_command(
     ] = None,
     consume_shm_files: ConsumeShmOpt = False,
     verify: VerifyOpt = False,
+    allow_layout_change: Annotated[
+        bool,
+        typer.Option(
+            "--allow-layout-change",
+            metavar=FLAG,
+            rich_help_panel="Checkpoint",
+            help="Push even if its tensor names, dtypes or shapes differ from those the job "
+            "served last (refused with exit 3 otherwise, before anything is sent).",
+        ),
+    ] = False,
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
@@ -229,6 +255,7 @@ def push_command(
             checkpoint_name=checkpoint_name,
             consume_shm_files=consume_shm_files,
             verify=verify,
+            allow_layout_change=allow_layout_change,
             control_socket=path,
             timeout=timeout,
             check=False,
@@ -518,4 +545,9 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
             lines.append(f"{head}: failed (exit {last.get('exit_code')}): {last.get('error')}")
     if doc.get("registered"):
         lines.append(f"registered: {doc['registered']}")
+    if doc.get("served_tensors"):
+        lines.append(
+            f"served layout: {doc['served_tensors']} tensors (a push of other names, dtypes or "
+            "shapes is refused without --allow-layout-change)"
+        )
     return lines

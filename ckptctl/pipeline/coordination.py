@@ -111,6 +111,10 @@ class Coordinator:
         self.launch = launch
         self.scope = scope  # set for a scoped view: its waits also end on its own abort key
         self._address = address  # (host, port, key prefix) of the store, to connect again
+        self._scopes: dict[str, Coordinator] = {}  # views not yet dropped (drop_scope)
+        self._written: set[str] = set()  # the keys this rank wrote through this view
+        self._dropped = False
+        self._keys_lock = threading.Lock()
 
     def second_connection(self) -> Any:
         """The same store through a client of its own, for a thread that blocks in it (the
@@ -130,7 +134,36 @@ class Coordinator:
         keys of one push never answer the waits of the next."""
         from torch.distributed import PrefixStore
 
-        return Coordinator(PrefixStore(f"{name}/", self.store), self.launch, scope=name)
+        view = Coordinator(PrefixStore(f"{name}/", self.store), self.launch, scope=name)
+        self._scopes[name] = view
+        return view
+
+    def drop_scope(self, name: str) -> int:
+        """Delete the keys this rank wrote in scope `name` (a long-lived job would otherwise
+        grow its store by every push's keys); returns how many were there. Call it once no
+        rank can still read them - every rank is past that push - on every rank: each deletes
+        its own. Writes through the view afterwards (a late thread's abort) are dropped."""
+        view = self._scopes.pop(name, None)
+        if view is None:
+            return 0
+        with view._keys_lock:
+            view._dropped = True
+            keys = sorted(view._written)
+            view._written.clear()
+        deleted = 0
+        for key in keys:
+            # A key left behind is no reason to stop serving.
+            with contextlib.suppress(Exception):
+                deleted += bool(view.store.delete_key(key))
+        return deleted
+
+    def _writes(self, key: str) -> bool:
+        """Record that this rank writes `key` (drop_scope deletes it); False once dropped."""
+        with self._keys_lock:
+            if self._dropped:
+                return False
+            self._written.add(key)
+            return True
 
     @classmethod
     def local(cls, launch: LaunchInfo) -> Coordinator:
@@ -174,6 +207,8 @@ class Coordinator:
         stop, a cancel), not because something failed."""
         fields = {"code": int(code), "message": message, "rank": self.launch.rank}
         doc = json.dumps({**fields, "request": True} if request else fields)
+        if not self._writes("abort"):
+            return  # the push is over on every rank: nobody reads it any more
         # First failure wins: later ones are usually consequences of it.
         self.store.compare_set("abort", "", doc)
 
@@ -203,7 +238,9 @@ class Coordinator:
     # -- barriers ------------------------------------------------------------------------------------
     def barrier(self, name: str, timeout_s: float) -> None:
         """Every rank reaches `name` (bounded; the watchdog ends us sooner on a failure)."""
-        self.store.set(f"{name}/{self.launch.rank}", "1")
+        key = f"{name}/{self.launch.rank}"
+        self._writes(key)
+        self.store.set(key, "1")
         self._wait_for([f"{name}/{r}" for r in range(self.launch.world_size)], timeout_s)
 
     def _wait_for(self, keys: list[str], timeout_s: float) -> None:
@@ -226,6 +263,7 @@ class Coordinator:
 
     # -- figures -------------------------------------------------------------------------------------
     def publish(self, key: str, doc: dict[str, Any]) -> None:
+        self._writes(f"{key}/{self.launch.rank}")
         self.store.set(f"{key}/{self.launch.rank}", json.dumps(doc))
 
     def collect(self, key: str, timeout_s: float) -> list[dict[str, Any]]:

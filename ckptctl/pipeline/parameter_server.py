@@ -525,11 +525,13 @@ class ParameterServerSession(TransferSockets):
         io_timeout: Callable[[], float],
         group_store: Any = None,
         on_failure: Callable[[int, str], None] | None = None,
+        group_timeout_s: float | None = None,
     ) -> None:
         """p2p: "off" (mooncake is never imported), "optional" (use it if it starts: joinable
         metas), or "required" (p2p/all updates, join). group_store: the job's store, where
         the ranks meet to build the NCCL group (None for a job of one process). on_failure:
-        where a failure that checkpoint-engine would sit on goes (the watchdog's `fail`)."""
+        where a failure that checkpoint-engine would sit on goes (the watchdog's `fail`).
+        group_timeout_s: the NCCL group's collective timeout (process_group.group_timeout_s)."""
         if p2p == "off":
             block_mooncake()
         else:
@@ -543,7 +545,11 @@ class ParameterServerSession(TransferSockets):
                 "no CUDA device: every rank needs one GPU (check CUDA_VISIBLE_DEVICES); "
                 "`ckptctl update --dry-run` plans a split without one"
             )
-        from ckptctl.pipeline.process_group import BackgroundProcessGroup, local_device_index
+        from ckptctl.pipeline.process_group import (
+            MIN_TIMEOUT_S,
+            BackgroundProcessGroup,
+            local_device_index,
+        )
 
         # First, so that it overlaps everything up to the first gather (process_group.py).
         rank = int(os.environ["RANK"])
@@ -552,6 +558,7 @@ class ParameterServerSession(TransferSockets):
             world_size=int(os.environ["WORLD_SIZE"]),
             store=group_store,
             device_index=local_device_index(rank),
+            timeout_s=group_timeout_s or MIN_TIMEOUT_S,
         )
         from ckptctl.pipeline.engine import engine_module
 

@@ -40,7 +40,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint.headers import Checkpoint, TensorInfo, open_planned
-from ckptctl.errors import InvalidInput, OperationFailed
+from ckptctl.errors import InvalidInput, OperationFailed, print_error
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +155,7 @@ def fill(
     *,
     fresh: bool = False,
     on_read: Callable[[int], None] | None = None,
+    drop_cache: bool = False,
 ) -> None:
     """Read every tensor into its place; `targets` are writable byte views of the buckets.
 
@@ -162,7 +163,7 @@ def fill(
     and per run the Python work is a few slices, so the reading leaves the interpreter to the
     rest of the rank (the ParameterServer's start, `import torch`). `fresh`: the targets are
     untouched anonymous memory, populated run by run just before it is read into (see
-    `_populate`).
+    `_populate`). `drop_cache`: then drop what was read from the page cache (`drop_cached`).
     """
     runs = read_runs(buckets) if runs is None else runs
     populate = _Populate(targets) if fresh else None
@@ -202,11 +203,27 @@ def fill(
             w.join()
         if failed:
             raise failed[0]
+        if drop_cache:
+            drop_cached(fds, runs)
     except OSError as exc:
         raise InvalidInput(f"cannot read the checkpoint: {exc}") from None
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def drop_cached(fds: dict[str, int], runs: list[ReadRun]) -> None:
+    """posix_fadvise(DONTNEED) over the span of each file that `runs` read: those bytes are in
+    the buffers now, and kept in the page cache too they would take the node's memory twice.
+    Only this rank's span: another rank of the node may still be reading its own. Advice, not
+    a guarantee: a filesystem that keeps its pages (tmpfs) keeps them."""
+    spans: dict[str, tuple[int, int]] = {}
+    for run in runs:
+        lo, hi = spans.get(run.file, (run.pos, run.pos + run.nbytes))
+        spans[run.file] = (min(lo, run.pos), max(hi, run.pos + run.nbytes))
+    for name, (lo, hi) in spans.items():
+        with contextlib.suppress(OSError):  # (a filesystem without it)
+            os.posix_fadvise(fds[name], lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in as if written, in one call
@@ -476,11 +493,16 @@ class DriverPin:
         self.pinned.append(address)
         return True
 
-    def unpin_all(self) -> None:
-        """Undo every `pin` (errors ignored: this only runs on the way out of a failure)."""
-        for address in self.pinned:
-            self._lib.cuMemHostUnregister(address)
+    def unpin_all(self) -> list[int]:
+        """Undo every `pin`; returns the positions (in `pinned`) of those the driver would not
+        unpin: that memory is still registered and must stay mapped (keep_registered)."""
+        failed = [
+            i
+            for i, address in enumerate(self.pinned)
+            if self._lib.cuMemHostUnregister(address) != self._SUCCESS
+        ]
         self.pinned = []
+        return failed
 
     def release(self) -> None:
         """Drop this thread's hold on the device's primary context (after `unpin_all`)."""
@@ -540,11 +562,36 @@ def address_of(memory: Any) -> int:
         del view  # (lets the mapping be closed later)
 
 
-def unpin(buffer: torch.Tensor) -> None:
-    """cudaHostUnregister: undo `pin_in_place` (errors ignored: the process is leaving)."""
+# Host memory that could not be unpinned. CUDA still has it registered, so it is never
+# unmapped: pages the system could hand out again while the driver holds them, and a range a
+# later registration would collide with. Kept for the life of the process.
+kept_registered: list[Any] = []
+
+
+def keep_registered(memory: Any, nbytes: int, why: str) -> None:
+    """Keep `memory` mapped for good, and say so (a failed unpin is a leak, not a crash)."""
+    kept_registered.append(memory)
+    print_error(
+        f"could not unpin {nbytes} bytes of host memory ({why}): keeping them mapped and "
+        "pinned until the process ends",
+        label="warning",
+    )
+
+
+def _unregister(address: int) -> int:
+    """cudaHostUnregister through torch's binding: the CUDA error code (0: done)."""
     import torch
 
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    return int(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+def unpin(buffer: torch.Tensor) -> bool:
+    """cudaHostUnregister: undo `pin_in_place`. Where that fails the buffer is kept
+    (keep_registered), never freed while still registered; returns whether it was unpinned."""
+    err = _unregister(buffer.data_ptr())
+    if err != 0:
+        keep_registered(buffer, buffer.numel(), f"cudaHostUnregister: CUDA error {err}")
+    return err == 0
 
 
 class PinnedPool:
@@ -628,12 +675,15 @@ class ShareReader:
         plan: Any = None,
         rank: int = 0,
         on_read: Callable[[int], None] | None = None,
+        drop_page_cache: bool = False,
     ) -> None:
         """pin: pin the buffers in place once read (needs CUDA; False for a CPU-only read).
         plan, rank: the job's plan and this rank's place in it: then every rank's metas are
         also worked out in the background, for `ParameterServerSession.gather_planned`.
-        on_read(n): called with the bytes of every read, from the reading threads (progress)."""
+        on_read(n): called with the bytes of every read, from the reading threads (progress).
+        drop_page_cache: drop what was read from the page cache afterwards (`drop_cached`)."""
         self.buckets = layout(tensors)
+        self._drop_page_cache = drop_page_cache
         self._pool = pool
         self._pin = pin
         self._on_read = on_read
@@ -692,6 +742,7 @@ class ShareReader:
             # anyway (bench/results/import-overlap-qwen3-8b.md).
             fresh=self._pool is None and not self._pin,
             on_read=self._on_read,
+            drop_cache=self._drop_page_cache,
         )
         self._targets = []
         self.read_seconds = time.perf_counter() - self._started
@@ -705,12 +756,17 @@ class ShareReader:
             self._memory = []  # the tensors keep the memory alive
         if self._driver is not None and not self._driver.is_torchs_gpu(self._gpu_rank):
             # Not the GPU torch gives this rank: pin again below, in the right context.
-            self._driver.unpin_all()
+            stuck = self._unpin_by_driver()
             self._driver.release()
             for i in self._driver_pinned:
                 self._pinned[i] = False
             self._driver, self._driver_pinned = None, []
             self.pinned_before_torch = False
+            if stuck:  # (kept as they are: pinning them again would fail)
+                raise OperationFailed(
+                    "could not unpin host memory pinned in another GPU's context (see the "
+                    "warning above)"
+                )
         if self._pin:
             if any(b.size and not p for b, p in zip(self.buckets, self._pinned, strict=True)):
                 _use_this_ranks_gpu()
@@ -748,6 +804,16 @@ class ShareReader:
             self._driver_pinned.append(i)
         self.pinned_before_torch = bool(self._driver_pinned) and not torch_is_imported()
 
+    def _unpin_by_driver(self) -> bool:
+        """Undo the driver's pins; any it would not undo are kept mapped (keep_registered), and
+        no longer counted as this reader's. Returns whether some were."""
+        assert self._driver is not None
+        failed = [self._driver_pinned[j] for j in self._driver.unpin_all()]
+        for i in failed:
+            memory = self._buffers[i] if self._buffers else self._memory[i]
+            keep_registered(memory, self.buckets[i].size, "cuMemHostUnregister failed")
+        return bool(failed)
+
     @property
     def pinned_by_driver(self) -> bool:
         return bool(self._driver_pinned)
@@ -772,7 +838,7 @@ class ShareReader:
         """After a failed read or pin: pinned memory goes back to the pool or is unpinned, so
         that a failed push neither leaks it nor leaves an unpinned buffer in the pool."""
         if self._driver is not None and not self._buffers:  # failed before the tensors
-            self._driver.unpin_all()
+            self._unpin_by_driver()
             return
         for buffer, pinned in zip(self._buffers, self._pinned, strict=False):
             if self._pool is not None:

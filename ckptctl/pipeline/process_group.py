@@ -24,6 +24,25 @@ from ckptctl.errors import DeadlineExceeded, OperationFailed
 
 STORE_PREFIX = "process-group/"
 
+# checkpoint-engine's timeout for its group, and the least ours gets.
+MIN_TIMEOUT_S = 600.0
+# How much longer than the job may wait NCCL waits for a collective: past its timeout NCCL
+# aborts the process (SIGABRT, no error line), so the watchdog, which ends a stuck collective
+# with its error line and exit code, must go first.
+TIMEOUT_GRACE_S = 60.0
+
+
+def group_timeout_s(longest_wait_s: float | None) -> float:
+    """The collective timeout for a job whose watchdog ends any wait after `longest_wait_s`
+    seconds (None: not known): never shorter than checkpoint-engine's 10 minutes, nor than
+    the job's own bound plus TIMEOUT_GRACE_S (a serve job's --push-timeout may be longer)."""
+    import math
+
+    if longest_wait_s is None or not math.isfinite(longest_wait_s):
+        return MIN_TIMEOUT_S
+    return max(MIN_TIMEOUT_S, longest_wait_s + TIMEOUT_GRACE_S)
+
+
 # Set once a build has started in this process, whatever became of it: NCCL's threads may be
 # running even after a failed build, and results.leave_group_to_exit then skips the interpreter
 # shutdown (which can hang or abort under them).
@@ -48,14 +67,17 @@ class BackgroundProcessGroup:
         store: Any | None,
         backend: str = "nccl",
         device_index: int | None = None,
+        timeout_s: float = MIN_TIMEOUT_S,
     ) -> None:
         """store: the job's torch.distributed store (None for a job of one process);
-        device_index: the GPU to bind (None: a CPU backend, for tests)."""
+        device_index: the GPU to bind (None: a CPU backend, for tests); timeout_s: how long a
+        collective may wait before NCCL aborts the process (group_timeout_s)."""
         self._rank = rank
         self._world_size = world_size
         self._store = store
         self._backend = backend
         self._device_index = device_index
+        self._timeout = timedelta(seconds=timeout_s)
         self._error: BaseException | None = None
         self.seconds: float | None = None
         global started
@@ -81,7 +103,7 @@ class BackgroundProcessGroup:
                 rank=self._rank,
                 world_size=self._world_size,
                 store=torch_dist.PrefixStore(STORE_PREFIX, store),
-                timeout=timedelta(minutes=10),  # checkpoint-engine's; our watchdog ends sooner
+                timeout=self._timeout,  # our watchdog ends a stuck collective sooner
                 device_id=device,
             )
             # NCCL connects its peers at the first collective; do it now, off the critical path.

@@ -165,9 +165,12 @@ def check_same_plan(job: Job, plan: Any, checkpoint_path: str) -> None:
             )
 
 
-def start_parameter_server(job: Job, *, p2p: str) -> Any:
+def start_parameter_server(job: Job, *, p2p: str, longest_wait_s: float | None = None) -> Any:
+    """longest_wait_s: how long the job may wait in one collective before its watchdog ends it
+    (default: the job's timeout); NCCL's own timeout is set past it (group_timeout_s)."""
     from ckptctl.pipeline.parameter_server import ParameterServerSession
     from ckptctl.pipeline.pinning import import_torch
+    from ckptctl.pipeline.process_group import group_timeout_s
 
     with job.reporter.stage("start", "starting checkpoint-engine's parameter server") as st:
         # A job of one process has joined no store yet, so its first `import torch` (3 s on
@@ -179,6 +182,11 @@ def start_parameter_server(job: Job, *, p2p: str) -> Any:
             p2p=p2p,
             io_timeout=job.watchdog.remaining,
             on_failure=job.watchdog.fail,
+            group_timeout_s=group_timeout_s(
+                longest_wait_s
+                if longest_wait_s is not None
+                else getattr(job.watchdog, "timeout_s", None)
+            ),
             group_store=(
                 job.coordinator.second_connection() if job.coordinator is not None else None
             ),
@@ -194,11 +202,13 @@ def prefetch_share(
     plan: Any = None,
     read_threads: int | None = None,
     reporter: Reporter | None = None,
+    drop_page_cache: bool = False,
 ) -> Any | None:
     """In direct mode, start reading and pinning the share now, while the ParameterServer
     starts (into the pinned buffers of `pool` when a long-lived job keeps them); with `plan`,
     every rank's metas are worked out there too, for gather_metas. The bytes it reads count
-    towards the "register" stage that takes them over (`reporter`)."""
+    towards the "register" stage that takes them over (`reporter`). drop_page_cache: the
+    share's file pages are dropped from the page cache once read (pinning.drop_cached)."""
     if mode != "direct":
         return None
     from ckptctl.pipeline.pinning import ShareReader
@@ -213,6 +223,7 @@ def prefetch_share(
         plan=plan,
         rank=share.rank,
         on_read=on_read,
+        drop_page_cache=drop_page_cache,
     )
 
 

@@ -50,6 +50,7 @@ PUSH_FIELDS = {
     "consume_shm_files",
     "verify",
     "push_id",  # the client's own name for its push, to cancel it by (Ctrl-C on `push`)
+    "allow_layout_change",
 }
 # After a stop, a push under way must end within this many seconds, or the job ends anyway.
 STOP_GRACE_S = 8.0
@@ -259,7 +260,10 @@ class ServeLoop:
     def handle_status(self, _doc: Any) -> tuple[int, dict[str, Any]]:
         with self._lock:
             queued = len(self._queue)
-        extra = {k: self.executor_state.get(k) for k in ("registered", "pinned_pool_bytes")}
+        extra = {
+            k: self.executor_state.get(k)
+            for k in ("registered", "pinned_pool_bytes", "served_tensors")
+        }
         return 200, self.state.snapshot(queued, extra, self.job.reporter.running_stages())
 
     def handle_stop(self, _doc: Any) -> tuple[int, dict[str, Any]]:
@@ -292,6 +296,7 @@ class ServeLoop:
                 "consume_shm_files": bool(doc.get("consume_shm_files")),
                 "verify": bool(doc.get("verify")),
                 "push_id": doc.get("push_id"),
+                "allow_layout_change": bool(doc.get("allow_layout_change")),
             }
         )
 
@@ -451,6 +456,9 @@ class ServeLoop:
     def _run_everywhere(self, command: dict[str, Any]) -> dict[str, Any]:
         mine = self._execute(command)
         ranks = self.channel.gather(mine, self.push_timeout + HARD_GRACE_S + TICK_TIMEOUT_S)
+        # Every rank is past the command (it sent its result): nobody reads its store keys now.
+        assert self.job.coordinator is not None
+        self.job.coordinator.drop_scope(_scope(command))
         return merge_results(command, ranks)
 
     def _restore(self, merged: dict[str, Any]) -> None:
@@ -495,8 +503,9 @@ class ServeLoop:
         deadline = time.monotonic() + self.push_timeout
         job.watchdog.deadline = deadline + HARD_GRACE_S
         clock = PushClock(job.watchdog, deadline, self.push_timeout)
-        scope = f"push{command['seq']}" + ("-restore" if command["action"] == "restore" else "")
-        push_job = Job(job.launch, job.coordinator.scoped(scope), cast(Any, clock), job.reporter)
+        push_job = Job(
+            job.launch, job.coordinator.scoped(_scope(command)), cast(Any, clock), job.reporter
+        )
         with self._lock:
             self._running = (command, push_job.coordinator)
             stop_reason = self._stop_reason
@@ -526,6 +535,11 @@ class ServeLoop:
         return result
 
 
+def _scope(command: dict[str, Any]) -> str:
+    """The store scope of a command's keys: one per push (and one for the restore after it)."""
+    return f"push{command['seq']}" + ("-restore" if command["action"] == "restore" else "")
+
+
 def _check_push(doc: Any) -> str | None:
     """Why a push request cannot run, or None."""
     if not isinstance(doc, dict):
@@ -540,7 +554,7 @@ def _check_push(doc: Any) -> str | None:
         value = doc.get(key)
         if value is not None and (not isinstance(value, str) or len(value) > 1024):
             return f"{key} must be a string of at most 1024 characters"
-    for key in ("consume_shm_files", "verify"):
+    for key in ("consume_shm_files", "verify", "allow_layout_change"):
         if not isinstance(doc.get(key, False), bool):
             return f"{key} must be true or false"
     return None

@@ -167,6 +167,25 @@ RESTORE_SERVER_WAIT_S = 5.0
 KEPT_WHOLE = 4
 
 
+def check_layout(state: dict[str, Any], checkpoint: Any, command: dict[str, Any]) -> None:
+    """Refuse (exit 3) a checkpoint whose tensors are not those the server holds, unless the
+    push allows a layout change: a server fails on a tensor of another shape in the middle of
+    its update, with part of the checkpoint already taken."""
+    served = state.get("layout")
+    if served is None or command.get("allow_layout_change"):
+        return
+    from ckptctl.checkpoint.layout import layout_change
+
+    change = layout_change(served["tensors"], checkpoint.tensors)
+    if change is not None:
+        raise InvalidInput(
+            f"{command['checkpoint_path']}: its tensors are not those the server holds (from "
+            f"push {served['seq']}): {change}; a server fails on such a push mid-update and "
+            "keeps partly updated weights: push a checkpoint of the served layout, or pass "
+            "--allow-layout-change if the server takes this one"
+        )
+
+
 def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]) -> Executor:
     """One command: a push (the stages of `update`, then the previous checkpoint is
     unregistered), or a restore / rollback, which pushes an earlier whole checkpoint again
@@ -188,6 +207,8 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
         checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], split)
         if action != "push":
             _check_unchanged(state, command, checkpoint)
+        # Every rank planned the same checkpoint: every rank refuses alike, before any byte moves.
+        check_layout(state, checkpoint, command)
         if mode == "consume":
             check_consumable_together(job, plan)  # before any rank consumes a file
         pool = state.get("pool")  # serve --register-mode direct: buffers kept between pushes
@@ -205,6 +226,7 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
             plan=plan,
             read_threads=opts.read_threads,
             reporter=job.reporter,
+            drop_page_cache=opts.drop_page_cache,
         )
         stages.register_share(job, session, name, checkpoint, share, mode, reader)
         transfer_began = False
@@ -273,6 +295,11 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
                 exc.server_weights = "partial"  # type: ignore[attr-defined]
             raise
         previous, state["registered"] = state.get("registered"), name
+        state["layout"] = {
+            "seq": command.get("restores", command["seq"]),
+            "tensors": checkpoint.tensors,
+        }
+        state["served_tensors"] = len(checkpoint.tensors)  # (read by status)
         if previous is not None:
             session.unregister(previous, pool)
         if pool is not None and mode == "consume":

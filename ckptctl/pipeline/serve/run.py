@@ -9,7 +9,7 @@ from ckptctl.pipeline.coordination import Coordinator
 from ckptctl.pipeline.job import Job
 from ckptctl.pipeline.serve.control import check_socket_path, default_socket_path, job_targets
 from ckptctl.pipeline.serve.loop import serve_loop
-from ckptctl.pipeline.serve.push import gpu_executor
+from ckptctl.pipeline.serve.push import HARD_GRACE_S, gpu_executor
 
 
 @dataclass
@@ -25,6 +25,7 @@ class ServeOptions:
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
     verbose: bool = False
+    drop_page_cache: bool = False  # each push's file pages, once read into pinned buffers
 
 
 def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict[str, Any]:
@@ -45,7 +46,10 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
         if job.coordinator is None:  # one process: a store of our own for the rendezvous
             job.coordinator = Coordinator.local(job.launch)
             job.watchdog.coordinator = job.coordinator
-        session = stages.start_parameter_server(job, p2p="off")
+        # A push's collectives may wait until its watchdog ends the job (push.py).
+        session = stages.start_parameter_server(
+            job, p2p="off", longest_wait_s=opts.push_timeout + HARD_GRACE_S
+        )
         # The NCCL group now, not at the first push: a job that cannot build it fails at
         # start-up instead of failing every push.
         stages.build_group(job, session)
