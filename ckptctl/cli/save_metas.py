@@ -24,6 +24,7 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
+from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME
 from ckptctl.errors import UsageError
 
 
@@ -43,7 +44,7 @@ def save_metas_command(
     save_metas_file: Annotated[
         Path | None, typer.Option("--save-metas-file", hidden=True, show_default=False)
     ] = None,
-    checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
+    checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,

@@ -43,7 +43,7 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.defaults import DEFAULT_ENDPOINT
+from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
 from ckptctl.launch import LaunchInfo, launch_info
 
@@ -79,7 +79,7 @@ def update_command(
             "--load-metas-file is given.",
         ),
     ] = None,
-    checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
+    checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,

@@ -245,11 +245,16 @@ def register_share(
                 checkpoint, share.tensors, pin=True, on_read=st.done.add
             )
             session.register_buffers(name, reader.result())
+            if prefetched is not None:
+                # Read and pinned in a thread since before this stage: its time is the wait.
+                st.background = {
+                    "read": reader.read_seconds or 0.0,
+                    "pin": reader.pin_seconds or 0.0,
+                }
             st.detail += (
-                f" (read {reader.read_seconds:.2f}s + pin {reader.pin_seconds or 0:.2f}s"
-                f"{' through the driver' if reader.pinned_by_driver else ''}"
-                f"{', before torch' if reader.pinned_before_torch else ''}, "
-                f"in the background, {reader.threads} reader threads)"
+                f" ({reader.threads} reader threads"
+                f"{', pinned through the driver' if reader.pinned_by_driver else ''}"
+                f"{', before torch' if reader.pinned_before_torch else ''})"
             )
             return
         from ckptctl.checkpoint import load_rank_tensors
