@@ -9,13 +9,14 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 
 from ckptctl import __version__, results
-from ckptctl.cli import join, metas, save_metas, serve, update, wait_ready
+from ckptctl.cli import _completion, join, metas, save_metas, serve, update, wait_ready
 from ckptctl.cli._errors import (
     handle_errors,
     install_signal_handlers,
@@ -23,7 +24,7 @@ from ckptctl.cli._errors import (
 )
 from ckptctl.cli._options import FLAG
 from ckptctl.cli._usage import describe
-from ckptctl.errors import ExitCode, print_error
+from ckptctl.errors import ExitCode, UsageError, print_error
 from ckptctl.launch import launch_info
 
 EXIT_CODES_HELP = (
@@ -165,6 +166,14 @@ def run(args: list[str]) -> int:
     if not args:  # `ckptctl` alone: the overview, as a usage error
         app(["--help"], prog_name="ckptctl", standalone_mode=False)
         return int(ExitCode.USAGE)
+    if args[0] in _completion.OPTIONS or args[0].startswith(
+        tuple(f"{o}=" for o in _completion.OPTIONS)
+    ):
+        return _shell_completion(args)
+    return _run_typer(args)
+
+
+def _run_typer(args: list[str]) -> int:
     try:
         returned = app(args, prog_name="ckptctl", standalone_mode=False)
     except typer.TyperException as exc:  # a bad flag, value or command name
@@ -176,6 +185,30 @@ def run(args: list[str]) -> int:
         return int(ExitCode.FAILED)
     # A command that ended with typer.Exit returns its code; one that returned, None.
     return returned if isinstance(returned, int) else 0
+
+
+def _shell_completion(args: list[str]) -> int:
+    """`--install-completion SHELL` / `--show-completion SHELL` for the shell named (without
+    one, Typer's options detect the shell they run in)."""
+    try:
+        asked = _completion.requested(args)
+    except UsageError as exc:
+        _usage_failure(args, int(ExitCode.USAGE), str(exc))
+        return int(ExitCode.USAGE)
+    if asked is None:
+        return _run_typer(args)
+    option, shell = asked
+    text = _completion.script(shell, lambda: app([], prog_name="ckptctl"))
+    if option == "--show-completion":
+        sys.stdout.write(text)
+        return 0
+    try:
+        path, how = _completion.install(shell, text, Path.home())
+    except OSError as exc:
+        print_error(f"could not install {shell} completion: {exc}")
+        return int(ExitCode.FAILED)
+    sys.stderr.write(f"{shell} completion installed in {path} ({how})\n")
+    return 0
 
 
 def _command_args(args: list[str]) -> list[str]:
