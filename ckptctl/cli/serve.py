@@ -109,7 +109,7 @@ def serve_command(
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
-    push_timeout: PushTimeoutOpt = 600.0,
+    push_timeout: PushTimeoutOpt = 600,
     bucket_size_gb: BucketSizeOpt = None,
     mem_fraction: MemFractionOpt = None,
     verbose: VerboseOpt = False,
@@ -117,7 +117,7 @@ def serve_command(
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Keep a parameter server up on every rank and push checkpoints on command .
+    """Keep a parameter server up on every rank and push checkpoints on command.
 
     Start it under torchrun like `update`; then, on the node, `ckptctl push --checkpoint-path
     DIR` pushes a checkpoint into the server(s), `ckptctl status` reports, and `ckptctl stop`
@@ -168,7 +168,7 @@ def push_command(
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
-    wait: WaitOpt = 0.0,
+    wait: WaitOpt = 0,
     timeout: Annotated[
         float,
         typer.Option(
@@ -179,7 +179,7 @@ def push_command(
             help="Seconds to wait for the push's answer (exit 4); the serve job bounds each "
             "push by its own --push-timeout.",
         ),
-    ] = 900.0,
+    ] = 900,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
@@ -215,7 +215,7 @@ def status_command(
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
-    wait: WaitOpt = 0.0,
+    wait: WaitOpt = 0,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
@@ -246,7 +246,7 @@ def stop_command(
             rich_help_panel=WAITING,
             help="Wait up to this many seconds until the job has stopped serving; exit 4 if not.",
         ),
-    ] = 0.0,
+    ] = 0,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
