@@ -288,22 +288,38 @@ def test_the_update_counts_a_bucket_once_the_worker_loaded_it() -> None:
 # -- the node's ranks on rank 0's bar ------------------------------------------------------------
 
 
-def test_rank_0_sums_the_node_through_the_store() -> None:
+class _Job:
+    """What NodeProgress takes from the job: its store."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+
+def _node_shares(reporters: list[Reporter], local_world_size: int) -> tuple[Any, list[Any]]:
+    """(store, each rank's NodeProgress) for ranks 0.. of `reporters`, through a real TCPStore."""
     from torch.distributed import TCPStore
 
     # Port 0: the store binds a free port itself (one found free could be taken meanwhile).
     store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-
-    class Job:
-        def __init__(self, s: Any) -> None:
-            self.store = s
-
+    world = len(reporters)
     launch = [
-        LaunchInfo(rank=r, world_size=4, local_rank=r, local_world_size=3, under_torchrun=True)
-        for r in range(4)
+        LaunchInfo(
+            rank=r,
+            world_size=world,
+            local_rank=r,
+            local_world_size=local_world_size,
+            under_torchrun=True,
+        )
+        for r in range(world)
     ]
+    return store, [
+        NodeProgress.start(launch[r], _Job(store), rep) for r, rep in enumerate(reporters)
+    ]
+
+
+def test_rank_0_sums_the_node_through_the_store() -> None:
     reporters = [Reporter(lambda _: None, primary=r == 0) for r in range(4)]
-    shares = [NodeProgress.start(launch[r], Job(store), reporters[r]) for r in range(4)]
+    store, shares = _node_shares(reporters, local_world_size=3)
     assert shares[3] is None  # rank 3 is on node 1: its terminal is not rank 0's
     try:
         with (
@@ -335,26 +351,10 @@ def test_the_node_bar_has_no_total_until_every_rank_said_its_share() -> None:
     """Rank 0's bar counted its own share, then the node's once the others published: its
     total grew mid-way and the bar went back (42% to 31%). Until every rank of the node has
     said its share, rank 0 shows the bytes done so far, with no total."""
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-
-    class Job:
-        def __init__(self, s: Any) -> None:
-            self.store = s
-
-    launch = [
-        LaunchInfo(rank=r, world_size=3, local_rank=r, local_world_size=3, under_torchrun=True)
-        for r in range(3)
-    ]
     console = Console(file=io.StringIO(), force_terminal=True, width=80, color_system=None)
     rich = RichReporter(console)
-    reporters = [
-        rich,
-        Reporter(lambda _: None, primary=False),
-        Reporter(lambda _: None, primary=False),
-    ]
-    shares = [NodeProgress.start(launch[r], Job(store), reporters[r]) for r in range(3)]
+    reporters = [rich, *(Reporter(lambda _: None, primary=False) for _ in range(2))]
+    _, shares = _node_shares(reporters, local_world_size=3)
     try:
         with (
             reporters[1].stage("register", "reading", nbytes=100_000, node_wide=True) as one,
