@@ -417,6 +417,7 @@ def test_the_overview_groups_commands_and_shows_examples(
         "Metas files and p2p",
     ]
     assert "Examples:" in out and "ckptctl update -h" in out
+    assert "ckptctl --install-completion [bash|zsh|fish]" in out  # (Typer's own say less)
     assert "--help                -h   " in out and "<bool>  Show this message" not in out
 
 

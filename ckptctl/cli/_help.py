@@ -26,6 +26,12 @@ EXIT_CODES_HELP = (
     "3 invalid input (checkpoint or metas file) · 4 timed out · 130 interrupted."
 )
 
+# (Typer's own --install-completion/--show-completion say "the current shell": one can be named.)
+COMPLETION_HELP = (
+    "Shell completion: ckptctl --install-completion [bash|zsh|fish] (default: the shell it "
+    "runs in); --show-completion [SHELL] prints the script."
+)
+
 # Commands by how they are used, as the overview groups them.
 PANELS: dict[str, tuple[str, ...]] = {
     "One-shot: check, then update under torchrun": ("wait-ready", "update"),
@@ -163,7 +169,8 @@ def epilog(command: str | None = None) -> str:
     if not lines:
         return EXIT_CODES_HELP
     shown = "\n".join(f"  [bold]{escape(line)}[/bold]" for line in lines)
-    return f"Examples:\n{shown}\n\n{EXIT_CODES_HELP}"
+    extra = "" if command else f"{escape(COMPLETION_HELP)}\n\n"
+    return f"Examples:\n{shown}\n\n{extra}{EXIT_CODES_HELP}"
 
 
 def first_paragraph(doc: str | None) -> str:
