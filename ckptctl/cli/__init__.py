@@ -129,9 +129,7 @@ def run(args: list[str]) -> int:
     if not args:  # `ckptctl` alone: the overview, as a usage error
         app(["--help"], prog_name="ckptctl", standalone_mode=False)
         return int(ExitCode.USAGE)
-    if args[0] in _completion.OPTIONS or args[0].startswith(
-        tuple(f"{o}=" for o in _completion.OPTIONS)
-    ):
+    if args[0].partition("=")[0] in _completion.OPTIONS:
         return _shell_completion(args)
     return _run_typer(args)
 
