@@ -12,7 +12,7 @@ import re
 import sys
 from enum import IntEnum
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 
 class ExitCode(IntEnum):
@@ -65,13 +65,21 @@ REDACTED = "***"
 # Shorter values are taken out only where they are recognisably secrets (the patterns below):
 # replacing every "ab" in a message would garble it.
 MIN_SECRET_CHARS = 4
+MIN_QUERY_SECRET_CHARS = 8
 _secrets: set[str] = set()
 _PATTERNS = (
     # A password in a URL: scheme://user:password@host
     (re.compile(r"(?<=://)([^/@\s:]*):[^/@\s]*@"), rf"\1:{REDACTED}@"),
+    # The values of a URL's query (?api_key=...): a query is where a pasted URL keeps its key.
+    (re.compile(r"(?<=://)([^\s?#'\"]*\?)([^\s#'\")]*)"), lambda m: m[1] + _query_values(m[2])),
     # A credential after its scheme, e.g. a server echoing our Authorization header.
     (re.compile(r"\b(Bearer|Basic)(\s+)[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE), rf"\1\2{REDACTED}"),
 )
+
+
+def _query_values(query: str) -> str:
+    """A URL query with every value replaced: `a=1&key=s3cret` -> `a=***&key=***`."""
+    return re.sub(r"=[^&;]*", f"={REDACTED}", query)
 
 
 def register_secret(value: str | None) -> None:
@@ -81,12 +89,19 @@ def register_secret(value: str | None) -> None:
 
 
 def register_url_secrets(url: str) -> None:
-    """The password of a URL's user info, as written, decoded, and as HTTP Basic auth sends it."""
+    """The password of a URL's user info, as written, decoded, and as HTTP Basic auth sends it;
+    the longer values of its query, as written and decoded (quoted outside the URL; a short
+    value such as `json` would garble every message it occurs in, and in a URL `redact` takes
+    out every query value anyway)."""
     try:
         parts = urlsplit(url)
         user, password = parts.username, parts.password
     except ValueError:
         return
+    for _name, value in parse_qsl(parts.query):
+        if len(value) >= MIN_QUERY_SECRET_CHARS:
+            register_secret(value)
+            register_secret(quote(value, safe=""))
     if password:
         register_secret(password)
         register_secret(unquote(password))

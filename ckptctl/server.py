@@ -95,6 +95,20 @@ def check_endpoint(endpoint: str) -> str:
             f"--endpoint {endpoint!r} is not an http(s) URL with a host; "
             "write it like http://localhost:19730"
         )
+    if parts.path.rstrip("/").endswith("/v1"):
+        from ckptctl.errors import print_error
+        from ckptctl.launch import launch_info
+
+        if launch_info().is_primary:
+            # The OpenAI-compatible base URL, pasted from a client's settings: the update routes
+            # hang off the server's root, so every call would answer 404.
+            path = parts.path.rstrip("/")[: -len("/v1")] or ("/" if parts.query else "")
+            root = parts._replace(path=path).geturl()
+            print_error(
+                f"--endpoint {endpoint} ends in /v1, the OpenAI API's base URL; ckptctl calls "
+                f"the server's own routes: drop the /v1 ({root})",
+                label="warning",
+            )
     return endpoint
 
 

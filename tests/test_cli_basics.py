@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,71 @@ def test_json_flag_everywhere() -> None:
 def test_results_json_is_single_document() -> None:
     r = invoke("wait-ready", "--timeout", "0", "--json", "--endpoint", "http://127.0.0.1:9")
     assert json.loads(r.stdout)["ready"] is False
+
+
+# -- installing completion for the shell named (issue 25, item 6) -------------------------------
+
+INSTALLED = {
+    "bash": ".bash_completions/ckptctl.sh",
+    "zsh": ".zfunc/_ckptctl",
+    "fish": ".config/fish/completions/ckptctl.fish",
+}
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_show_completion_prints_the_script_of_the_shell_named(shell: str) -> None:
+    """`--show-completion fish` printed the bash script (the shell it ran in)."""
+    r = run_script("--show-completion", shell, env={**os.environ, "SHELL": "/bin/bash"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (ROOT / "completions" / f"ckptctl.{shell}").read_text()
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_install_completion_installs_the_shell_named_in_a_fresh_home(
+    shell: str, tmp_path: Path
+) -> None:
+    """`--install-completion zsh` installed bash completion; into a home with none of the
+    folders (the README's `cp` commands failed there), twice (the start-up line goes in once)."""
+    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash"}
+    for _ in range(2):
+        r = run_script("--install-completion", shell, env=env)
+        assert r.returncode == 0, r.stderr
+    assert f"{shell} completion installed in {tmp_path / INSTALLED[shell]}" in r.stderr
+    committed = (ROOT / "completions" / f"ckptctl.{shell}").read_text()
+    assert (tmp_path / INSTALLED[shell]).read_text() == committed
+    others = [s for s in INSTALLED if s != shell]
+    assert not any((tmp_path / INSTALLED[s]).exists() for s in others)
+    startup = {
+        "bash": (".bashrc", f"source '{tmp_path / INSTALLED['bash']}'"),
+        "zsh": (".zshrc", "fpath+=~/.zfunc; autoload -Uz compinit; compinit"),
+    }
+    for name, (rc, line) in startup.items():
+        written = (tmp_path / rc).read_text().splitlines() if (tmp_path / rc).exists() else []
+        assert written == ([line] if name == shell else [])
+
+
+def test_the_installed_bash_completion_loads_without_bash_completion(tmp_path: Path) -> None:
+    """What --install-completion bash adds to ~/.bashrc defines the completion in a plain bash
+    (no bash-completion package needed)."""
+    env = {**os.environ, "HOME": str(tmp_path)}
+    assert run_script("--install-completion", "bash", env=env).returncode == 0
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash here")
+    r = subprocess.run(
+        [bash, "--norc", "-c", f"source {tmp_path / '.bashrc'} && complete -p ckptctl"],
+        capture_output=True, text=True, timeout=30, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "-F _ckptctl_completion" in r.stdout and "ckptctl" in r.stdout
+
+
+def test_completion_for_an_unknown_shell_is_a_usage_error(tmp_path: Path) -> None:
+    env = {**os.environ, "HOME": str(tmp_path)}
+    for option in ("--install-completion", "--show-completion"):
+        r = run_script(option, "powershell", env=env)
+        assert r.returncode == 2
+        assert r.stderr.splitlines() == [
+            f"error: {option} takes one of bash, zsh, fish, not 'powershell' (see ckptctl --help)"
+        ]
+    assert list(tmp_path.iterdir()) == []

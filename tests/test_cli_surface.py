@@ -351,6 +351,123 @@ def test_update_help_groups_its_flags_and_shows_examples(
     assert "Examples:" in out and "ckptctl update --dry-run --checkpoint-path DIR" in out
 
 
+# -- issue 25, item 7: -h short, --help full; examples that paste; help that says it right -------
+
+
+def _help(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
+    code, out, err = cli(capsys, *args)
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize("command", OWN_HELP)
+def test_short_help_is_short_and_names_real_flags(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    from ckptctl.cli._help import MAIN_FLAGS
+
+    short = _help(capsys, monkeypatch, command, "-h")
+    full = _help(capsys, monkeypatch, command, "--help")
+    lines = short.splitlines()
+    assert lines[0].startswith(f"Usage: ckptctl {command} ")
+    assert len(lines) <= 60 and max(cells(line) for line in lines) <= 80
+    assert len(lines) < len(full.splitlines())
+    assert "Main options:" in short and f"All options: ckptctl {command} --help" in short
+    for flag, _ in MAIN_FLAGS[command]:
+        for name in re.findall(r"--?[a-z-]+", flag):
+            assert re.search(rf"(│|\s){re.escape(name)}\s", full), (command, name)
+            assert name in short
+
+
+def test_update_short_help_shows_the_defaults_of_its_signature(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    short = _help(capsys, monkeypatch, "update", "-h")
+    assert re.search(r"--inference-parallel-size N .*\[default: 8\]", short), short
+    assert "[default: http://localhost:19730]" in short and "[default: 600]" in short
+
+
+@pytest.mark.parametrize("command", ["", *OWN_HELP])
+def test_examples_paste_whole_at_80_columns(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """Every example line shows whole in --help at 80 columns (`update --help` broke
+    "--weight-version step-7" over two lines), and each flag it uses is the command's."""
+    from ckptctl.cli._help import EXAMPLES, OVERVIEW_EXAMPLES
+
+    out = _help(capsys, monkeypatch, *([command] if command else []), "--help")
+    shown = [line.strip() for line in out.splitlines()]
+    examples = EXAMPLES[command] if command else OVERVIEW_EXAMPLES
+    for line in examples:
+        assert line.strip() in shown, line
+    joined = " ".join(examples).replace("\\ ", "")
+    for name, flags in re.findall(r"ckptctl ([a-z-]+)((?: [^ ]+)*)", joined):
+        if name not in COMMANDS:
+            continue
+        full = _help(capsys, monkeypatch, name, "--help")
+        for flag in re.findall(r"(?<!\S)(--[a-z-]+)", flags):
+            assert re.search(rf"(│|\s){re.escape(flag)}\s", full), (name, flag)
+
+
+def test_the_overview_groups_commands_and_shows_examples(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = _help(capsys, monkeypatch, "-h")
+    assert out == _help(capsys, monkeypatch, "--help")
+    assert re.findall(r"╭─ (.+?) ─", out)[1:] == [
+        "One-shot: check, then update under torchrun",
+        "Resident job: serve under torchrun, then push from the node",
+        "Metas files and p2p",
+    ]
+    assert "Examples:" in out and "ckptctl update -h" in out
+    assert "ckptctl --install-completion [bash|zsh|fish]" in out  # (Typer's own say less)
+    assert "--help                -h   " in out and "<bool>  Show this message" not in out
+
+
+def test_help_texts_say_it_right(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    helps = {c: _help(capsys, monkeypatch, c, "--help") for c in OWN_HELP}
+    assert "on command ." not in helps["serve"] and "on command." in helps["serve"]
+    for command, out in helps.items():
+        assert not re.search(r"default: \d+\.0\]", out), command  # 600, not 600.0
+    assert re.search(r"--bucket-size-gb +N +", helps["update"]) and "GIB" not in helps["update"]
+    metas_file = helps["save-metas"].split("--metas-file", 1)[1].split("--checkpoint-name")[0]
+    assert "[required]" in metas_file and "│ *  --metas-file" in helps["save-metas"]
+
+
+def test_save_metas_file_still_names_the_metas_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--save-metas-file, as `update` calls it, still works for save-metas (it reaches the
+    checkpoint check: exit 3 for a missing one), in both spellings."""
+    for flag in (
+        ["--save-metas-file", str(tmp_path / "m.json")],
+        [f"--save-metas-file={tmp_path}/m"],
+    ):
+        code, _, err = cli(capsys, "save-metas", "--checkpoint-path", "/nope", *flag)
+        assert code == 3 and "/nope: does not exist" in err, err
+
+
+def test_a_bad_engine_is_said_like_every_other_choice(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, _, err = cli(capsys, *dry("--engine", "vlm"))
+    assert code == 2
+    assert (
+        err == "error: --engine takes one of sglang, vllm, not 'vlm' (see ckptctl update --help)\n"
+    )
+    monkeypatch.setenv("CKPTCTL_ENGINE", "vlm")
+    code, _, err = cli(capsys, "wait-ready")
+    assert code == 2
+    assert err == (
+        "error: --engine takes one of sglang, vllm, not 'vlm' (from CKPTCTL_ENGINE) "
+        "(see ckptctl wait-ready --help)\n"
+    )
+
+
 # -- items 9 and 10: flags mean one thing; scripts can set them once in the environment -----------
 
 

@@ -55,12 +55,18 @@ def test_plain_progress_lines_while_bytes_move() -> None:
     reporter.TICK_S = 0.05  # (a log gets one every 10 s)
     try:
         with reporter.stage("register", "reading the share", nbytes=4_000_000) as st:
-            st.done.add(1_000_000)
+            st.done.add(1_000_000)  # (read before the stage: no rate can be had from it)
             wait_until(lambda: any("of 4.00 MB" in line for line in lines), 20, "a progress line")
+            st.done.add(1_000_000)
+            wait_until(lambda: any("2.00 MB of" in line for line in lines), 20, "a second line")
     finally:
         reporter.close()
     progress = [line for line in lines if "of 4.00 MB" in line]
-    assert progress[0].startswith("reading the share: 1.00 MB of 4.00 MB (")
+    assert progress[0] == "reading the share: 1.00 MB of 4.00 MB"
+    # The rate of a later line is that of the bytes since the line before.
+    assert re.fullmatch(
+        r"reading the share: 2\.00 MB of 4\.00 MB \(\d+\.\d\d [kMG]?B/s\)", progress[-1]
+    )
     assert lines[-1].startswith("register: ")
 
 
@@ -121,6 +127,82 @@ def test_a_stage_whose_bytes_are_not_counted_shows_no_figures() -> None:
             assert "3.00 MB" in frame and "/3.00 MB" not in frame and "eta" not in frame
     finally:
         reporter.close()
+
+
+def test_a_stage_whose_bytes_are_all_done_shows_its_time_not_eta_0() -> None:
+    """Every byte counted while the stage is still busy (pinning after the read, the server's
+    answer after the last bucket): the row shows the time taken, not an "eta 0:00" that stays,
+    and no rate."""
+    reporter = RichReporter(Console(file=io.StringIO(), force_terminal=True, width=80))
+    try:
+        with reporter.stage("register", "loading the shares", nbytes=2_000_000) as st:
+            st.done.add(1_000_000)
+            wait_until(lambda: "1.00/2.00 MB" in _frame(reporter), 20, "half drawn")
+            st.done.add(1_000_000)
+            wait_until(lambda: "2.00/2.00 MB" in _frame(reporter), 20, "all drawn")
+            frame = _frame(reporter)
+            assert "eta" not in frame and "B/s" not in frame, frame
+            assert re.search(r"2\.00/2\.00 MB +0:\d\d", frame), frame
+    finally:
+        reporter.close()
+
+
+def test_background_work_is_reported_as_what_it_was() -> None:
+    """A stage whose bytes were read and pinned in a thread that started before it: its own
+    time is the wait, with no rate; the read and the pin each get their time and rate."""
+    lines: list[str] = []
+    reporter = Reporter(lines.append, primary=True)
+    with reporter.stage("register", "loading the shares", nbytes=16_380_000_000) as st:
+        st.background = {"read": 1.38, "pin": 3.37}
+    reporter.close()
+    figures = reporter.figures.stages[-1]
+    assert figures.gb_per_s is None
+    doc = figures.as_json()
+    assert doc["gb_per_s"] is None
+    assert doc["background"] == {
+        "read": {"seconds": 1.38, "gb_per_s": 11.87},
+        "pin": {"seconds": 3.37, "gb_per_s": 4.861},
+    }
+    assert re.fullmatch(
+        r"register: \d\.\d\ds, 16\.38 GB moved in the background: read 1\.38s "
+        r"\(11\.87 GB/s\) \+ pin 3\.37s \(4\.86 GB/s\)",
+        lines[-1],
+    ), lines[-1]
+
+
+def test_the_summary_table_shows_no_rate_for_background_work() -> None:
+    """The register row of a direct registration that waited 0.0005 s for 16.38 GB printed
+    32762.94 GB/s; now it has no rate, and the read and pin rows under it have theirs."""
+    from ckptctl.cli._job_view import stage_table
+
+    register = {
+        "seconds": 0.0005, "bytes": 16_381_470_720, "gb_per_s": None,
+        "background": {
+            "read": {"seconds": 1.38, "gb_per_s": 11.87},
+            "pin": {"seconds": 3.37, "gb_per_s": 4.861},
+        },
+    }  # fmt: skip
+    update = {"seconds": 2.0, "bytes": 16_381_470_720, "gb_per_s": 8.191}
+    summary = {
+        "checkpoint_name": "my-checkpoint-iter-0", "checkpoint_path": "/models/q",
+        "world_size": 2,
+        "ranks": [
+            {"rank": r, "peak_rss_bytes": 10**9, "stages": {"register": register, "update": update}}
+            for r in (0, 1)
+        ],
+    }  # fmt: skip
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    console.print(stage_table(summary))
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line for line in text.splitlines()}
+    assert "GB/s" not in rows["register"], text
+    assert re.search(r"1\.38s +11\.87 GB/s", rows["read, in the background"]), text
+    assert re.search(r"3\.37s +4\.86 GB/s", rows["pin, in the background"]), text
+    assert re.search(r"2\.00s +8\.19 GB/s +rank \d +2\.00s", rows["update"]), text
+    assert text.splitlines()[0].startswith("/models/q, ") and "my-checkpoint" not in text
+    summary["checkpoint_name"] = "step-7"
+    console.print(stage_table(summary))
+    assert "/models/q as step-7, " in console.file.getvalue()  # type: ignore[attr-defined]
 
 
 def test_format_bytes() -> None:
@@ -206,22 +288,38 @@ def test_the_update_counts_a_bucket_once_the_worker_loaded_it() -> None:
 # -- the node's ranks on rank 0's bar ------------------------------------------------------------
 
 
-def test_rank_0_sums_the_node_through_the_store() -> None:
+class _Job:
+    """What NodeProgress takes from the job: its store."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+
+def _node_shares(reporters: list[Reporter], local_world_size: int) -> tuple[Any, list[Any]]:
+    """(store, each rank's NodeProgress) for ranks 0.. of `reporters`, through a real TCPStore."""
     from torch.distributed import TCPStore
 
     # Port 0: the store binds a free port itself (one found free could be taken meanwhile).
     store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-
-    class Job:
-        def __init__(self, s: Any) -> None:
-            self.store = s
-
+    world = len(reporters)
     launch = [
-        LaunchInfo(rank=r, world_size=4, local_rank=r, local_world_size=3, under_torchrun=True)
-        for r in range(4)
+        LaunchInfo(
+            rank=r,
+            world_size=world,
+            local_rank=r,
+            local_world_size=local_world_size,
+            under_torchrun=True,
+        )
+        for r in range(world)
     ]
+    return store, [
+        NodeProgress.start(launch[r], _Job(store), rep) for r, rep in enumerate(reporters)
+    ]
+
+
+def test_rank_0_sums_the_node_through_the_store() -> None:
     reporters = [Reporter(lambda _: None, primary=r == 0) for r in range(4)]
-    shares = [NodeProgress.start(launch[r], Job(store), reporters[r]) for r in range(4)]
+    store, shares = _node_shares(reporters, local_world_size=3)
     assert shares[3] is None  # rank 3 is on node 1: its terminal is not rank 0's
     try:
         with (
@@ -239,13 +337,43 @@ def test_rank_0_sums_the_node_through_the_store() -> None:
             # a hostile writer on the store's port: rank 0 ignores what it cannot read
             shares[2].stop()  # (else it writes its own figures again)
             store.set("progress/2", b"\xff" * 10)
+            # ... and knows no total for the node while a rank's share is unknown.
             wait_until(
-                lambda: reporters[0].progress_of(mine) == (38, 180, 2), 20, "2 ranks counted"
+                lambda: reporters[0].progress_of(mine) == (38, None, 2), 20, "2 ranks counted"
             )
     finally:
         for share in shares:
             if share is not None:
                 share.stop()
+
+
+def test_the_node_bar_has_no_total_until_every_rank_said_its_share() -> None:
+    """Rank 0's bar counted its own share, then the node's once the others published: its
+    total grew mid-way and the bar went back (42% to 31%). Until every rank of the node has
+    said its share, rank 0 shows the bytes done so far, with no total."""
+    console = Console(file=io.StringIO(), force_terminal=True, width=80, color_system=None)
+    rich = RichReporter(console)
+    reporters = [rich, *(Reporter(lambda _: None, primary=False) for _ in range(2))]
+    _, shares = _node_shares(reporters, local_world_size=3)
+    try:
+        with (
+            reporters[1].stage("register", "reading", nbytes=100_000, node_wide=True) as one,
+            rich.stage("register", "loading the shares", nbytes=80_000, node_wide=True) as mine,
+        ):
+            one.done.add(30_000)
+            mine.done.add(8_000)
+            wait_until(lambda: rich.progress_of(mine) == (38_000, None, 2), 20, "rank 1 counted")
+            frame = _frame(rich)
+            assert "38.00 kB so far" in frame and "/" not in frame.split("so far")[0], frame
+            assert "eta" not in frame and "B/s" not in frame, frame
+            with reporters[2].stage("register", "reading", nbytes=50_000, node_wide=True) as two:
+                two.done.add(50_000)
+                wait_until(lambda: "88.00/230.00 kB" in _frame(rich), 20, "the node's total drawn")
+    finally:
+        for share in shares:
+            if share is not None:
+                share.stop()
+        rich.close()
 
 
 @pytest.mark.parametrize(
@@ -308,14 +436,24 @@ def test_two_ranks_on_one_terminal(mode: str) -> None:
         code, out, err = run_on_pty(_update(server, "--register-mode", mode))
     assert code == 0, err
     assert "[rank 1]" not in err  # (its lines tore the live view: "...0:00:00[rank 1] split:")
-    for stage in ("split", "register", "wait_server", "update"):
+    # The stages are named as in the table below ("wait server", not "wait_server").
+    for stage in ("split", "register", "wait server", "update"):
         assert f"✓ {stage}: " in err or f"✓ \x1b[0m{stage}: " in err, stage
     lines = out.splitlines()
     assert max(len(line) for line in lines) <= 80
     header = next(line for line in lines if "stage" in line)
-    assert header.split() == ["stage", "time", "rate", "slowest", "fastest"]
+    assert header.split() == ["stage", "time", "rate", "slowest", "rank", "fastest", "time"]
+    rate = r"\d+\.\d\d [kMG]?B/s"
     register = next(line for line in lines if line.strip().startswith("register"))
-    assert re.search(r"\d+\.\d\d [kMG]?B/s", register), register
+    if mode == "engine":
+        assert re.search(rate, register), register
+    else:  # read and pinned from the start, in a thread: the stage only waited for it
+        assert not re.search(rate, register), register
+        for what in ("read", "pin"):
+            row = next(line for line in lines if f"{what}, in the background" in line)
+            assert re.search(rf"\d+\.\d\ds +{rate}", row), row
+    # The checkpoint is named by its path; the seed's default name is not news.
+    assert str(TINY) in out and "my-checkpoint-iter-0" not in out
 
 
 @pytest.mark.slow

@@ -150,3 +150,52 @@ def test_error_lines_are_redacted(capsys: pytest.CaptureFixture[str]) -> None:
     print_error("failed with err-secret-66 at http://a:b-pass@h")
     err = capsys.readouterr().err
     assert "err-secret-66" not in err and "b-pass" not in err
+
+
+# -- a key in the endpoint's query (issue 25, item 5) -------------------------------------------
+
+QUERY_KEY = "s3cret"
+
+
+def test_a_key_in_the_endpoint_query_is_not_printed(server: FakeServer) -> None:
+    endpoint = f"{server.endpoint}/?api_key={QUERY_KEY}&org=acme-research"
+    for args in (
+        ("wait-ready", "--endpoint", endpoint, "--timeout", "10", "--json"),
+        ("wait-ready", "--endpoint", endpoint, "--for", "healthy", "--timeout", "0.3", "--json"),
+        ("update", "--dry-run", "--checkpoint-path", str(TINY), "--endpoint", endpoint, "--json"),
+    ):
+        r = invoke(*args)
+        assert r.exit_code in (0, 1, 4), r.stderr  # (the fake server answers 404 to a query)
+        printed = r.stdout + r.stderr
+        assert QUERY_KEY not in printed and "acme-research" not in printed, printed
+        assert "?api_key=***&org=***" in printed
+
+
+def test_redact_takes_out_query_values_in_urls_only() -> None:
+    assert (
+        redact("at http://h:1/x?api_key=s3cret&a=1#f (x)")
+        == "at http://h:1/x?api_key=***&a=***#f (x)"
+    )
+    assert redact("'https://h/?token=abc'") == "'https://h/?token=***'"
+    assert redact("what? a=b") == "what? a=b"
+    # A long query value is taken out also where it shows outside the URL, decoded or not.
+    register_url_secrets("http://h/?key=long%2Fsecret-value")
+    assert redact("sent long/secret-value and long%2Fsecret-value") == "sent *** and ***"
+
+
+@pytest.mark.parametrize("path", ["/v1", "/v1/"])
+def test_an_openai_base_url_gets_a_hint_to_drop_v1(path: str) -> None:
+    r = invoke(
+        "update", "--dry-run", "--checkpoint-path", str(TINY), "--json",
+        "--endpoint", f"http://127.0.0.1:1{path}?api_key={QUERY_KEY}",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    hint = [line for line in r.stderr.splitlines() if "/v1" in line]
+    assert hint == [
+        f"warning: --endpoint http://127.0.0.1:1{path}?api_key=*** ends in /v1, the OpenAI "
+        "API's base URL; ckptctl calls the server's own routes: drop the /v1 "
+        "(http://127.0.0.1:1/?api_key=***)"
+    ]
+    plain = invoke("update", "--dry-run", "--checkpoint-path", str(TINY), "--endpoint",
+                   "http://127.0.0.1:1/v10")  # fmt: skip
+    assert "/v1" not in plain.stderr.replace("/v10", "")

@@ -118,3 +118,35 @@ def test_checkpoint_path_with_brackets(tmp_path: Path) -> None:
     )
     assert code == 0, err
     assert "runs[/x]" in out
+
+
+# -- issue 25: what a newcomer's first commands show on an 80-column terminal ----------------
+
+
+def test_the_first_dry_run_on_a_terminal_plans_one_server_group() -> None:
+    code, out, err = _run_on_pty("update", "--dry-run", "--checkpoint-path", str(TINY), columns=80)
+    assert code == 0, err
+    tables = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+    assert "over 8 rank(s)" in out and max(len(line) for line in tables) <= 80
+    flat = " ".join(err.split())  # (the terminal wraps long lines)
+    assert "dry run: planned one server group of 8 rank(s) (--inference-parallel-size 8)" in flat
+    assert "fewer tensors than ranks" not in flat and "its largest tensor" in flat
+
+
+def test_wait_ready_on_a_terminal_says_what_it_waited_for() -> None:
+    with FakeServer(Behaviour()) as s:
+        code, _, err = _run_on_pty("wait-ready", "--endpoint", s.endpoint, columns=80)
+    assert code == 0, err
+    flat = " ".join(err.split())
+    assert (
+        f"{s.endpoint} is listening after" in flat and "(1 attempt; it answered HTTP 503)" in flat
+    )
+    assert "ready after" not in flat
+
+
+def test_short_help_on_a_terminal_fits_80_columns() -> None:
+    code, out, err = _run_on_pty("update", "-h", columns=80)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "Usage: ckptctl update [OPTIONS]" and len(lines) <= 60
+    assert max(len(line) for line in lines) <= 80

@@ -55,7 +55,7 @@ def dry_run(*args: str, tp: int | None = None) -> list[str]:
 def plan_fields(doc: dict) -> dict:
     """The dry run's document less the envelope, the server groups and the renamed count: the
     plan itself, as Plan.as_json() has it."""
-    drop = {"ok", "exit_code", "error", "groups", "tensor_count"}
+    drop = {"ok", "exit_code", "error", "groups", "tensor_count", "warnings"}
     plan = {k: v for k, v in doc.items() if k not in drop}
     plan["total_tensors"] = doc["tensor_count"]
     return plan
@@ -145,6 +145,54 @@ def test_default_world_is_one_process() -> None:
     result = invoke(*dry_run("--checkpoint-path", str(TINY), "--json"))
     doc = json.loads(result.stdout)
     assert doc["world_size"] == 1 and len(doc["ranks"]) == 1
+
+
+def test_default_flags_plan_one_server_group() -> None:
+    """The first command a newcomer types: no --world-size, the default TP8. The dry run plans
+    one group of 8 ranks and says so, rather than refusing the defaults (exit 2)."""
+    result = invoke("update", "--dry-run", "--checkpoint-path", str(TINY), "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["world_size"] == 8 and len(doc["ranks"]) == 8
+    assert [g["ranks"] for g in doc["groups"]] == [list(range(8))]
+    assert "planned one server group of 8 rank(s)" in result.stderr
+    # An explicit --world-size is taken as given, with no note.
+    given = invoke(*dry_run("--checkpoint-path", str(TINY), "--world-size", "2"))
+    assert given.exit_code == 0 and "planned one server group" not in given.stderr
+
+
+def test_missing_checkpoint_with_default_flags_is_invalid_input() -> None:
+    """A path that does not exist is the error to report (exit 3), not the defaults' TP8."""
+    result = invoke("update", "--dry-run", "--checkpoint-path", "/nope")
+    assert result.exit_code == 3, result.stderr
+    assert "error: /nope: does not exist" in result.stderr
+
+
+def test_idle_ranks_name_their_cause(tmp_path: Path) -> None:
+    """Ten tensors over four ranks, two of them huge: the ranks sit idle because of the huge
+    ones, not because the checkpoint has fewer tensors than ranks; --json keeps the warning."""
+    from ckpt_factory import sparse_file
+
+    tmp_path.mkdir(exist_ok=True)
+    big = [(f"big.{i}", "F32", [1024, 1024]) for i in range(2)]
+    small = [(f"small.{i}", "F32", [16]) for i in range(8)]
+    sparse_file(tmp_path / "model.safetensors", [*big, *small])
+    args = dry_run("--checkpoint-path", str(tmp_path), "--world-size", "4")
+    human = invoke(*args)
+    assert human.exit_code == 0, human.stderr
+    assert "fewer tensors than ranks" not in human.stderr
+    assert "rank(s) get no tensors: its largest tensor (4.19 MB)" in human.stderr
+    doc = json.loads(invoke(*args, "--json").stdout)
+    idle = sum(1 for r in doc["ranks"] if not r["tensors"])
+    assert idle and doc["warnings"] == [
+        f"{idle} rank(s) get no tensors: its largest tensor (4.19 MB) is more than an even "
+        "share (2.10 MB), so no rank can be smaller than that one, and the rest fit on fewer "
+        "ranks"
+    ]
+    # Fewer tensors than ranks is still said so.
+    few_args = dry_run("--checkpoint-path", str(tmp_path), "--world-size", "16", "--json")
+    few = json.loads(invoke(*few_args).stdout)
+    assert "the checkpoint has fewer tensors (10) than ranks (16)" in few["warnings"][0]
 
 
 def test_bad_flags_are_usage_errors() -> None:

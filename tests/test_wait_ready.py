@@ -499,3 +499,38 @@ def test_python_dash_m_runs_the_same_cli(refused_endpoint: str) -> None:
 def test_malformed_endpoint_is_a_usage_error_at_once(bad: str) -> None:
     r = invoke("wait-ready", "--endpoint", bad, "--timeout", "30")
     assert r.exit_code == 2 and "is not an http(s) URL" in r.stderr  # a wait would end in 4
+
+
+# -- what the lines say (issue 25, item 8) -----------------------------------------------------
+
+
+def test_a_running_but_unhealthy_server_is_not_called_down(server: FakeServer) -> None:
+    """SGLang answers /health with 503 until it has weights: it is running, and the advice says
+    what to do about the 503, not to check that it runs."""
+    r = invoke(
+        "wait-ready", "--endpoint", server.endpoint, "--for", "healthy", "--timeout", ANSWERED,
+        *FAST,
+    )  # fmt: skip
+    assert r.exit_code == 4
+    error = r.stderr.splitlines()[-1]
+    assert "check that the server is running" not in error
+    assert "the server is running but not healthy: SGLang answers 503 until it has weights" in (
+        error
+    )
+
+
+def test_a_refused_connection_still_says_to_check_the_server(refused_endpoint: str) -> None:
+    r = invoke("wait-ready", "--endpoint", refused_endpoint, "--timeout", "0.2", *FAST)
+    assert r.exit_code == 4
+    assert "check that the server is running" in r.stderr.splitlines()[-1]
+
+
+def test_success_says_what_it_waited_for_in_good_english(server: FakeServer) -> None:
+    r = invoke("wait-ready", "--endpoint", server.endpoint, "--timeout", "10", *FAST)
+    assert r.exit_code == 0, r.stderr
+    last = r.stderr.splitlines()[-1]
+    assert re.fullmatch(
+        rf"{re.escape(server.endpoint)} is listening after \d+\.\ds \(1 attempt; it answered "
+        r"HTTP 503\)",
+        last,
+    ), last

@@ -45,16 +45,57 @@ def run_job_with_display(
 
 
 def stage_table(summary: dict[str, Any]) -> Any:
-    """What the job did, in 80 columns: a line of facts, then a row per stage with its
-    slowest rank's time and rate (the job waits for the slowest), and the fastest's time."""
+    """What the job did, in 80 columns: a line of facts, then a row per stage with its slowest
+    rank's time and rate (the job waits for the slowest), that rank, and the fastest rank's
+    time. A stage whose bytes moved in the background shows that work's rows under it."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
+    ranks = summary["ranks"]
+    several = len(ranks) > 1
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("stage")
+    table.add_column("time", justify="right")
+    table.add_column("rate", justify="right")
+    if several:
+        table.add_column("slowest rank", justify="right")
+        table.add_column("fastest time", justify="right")
+    blank = ["", ""] if several else []
+    for stage in ranks[0]["stages"]:
+        times = [(r["stages"][stage]["seconds"], r["rank"]) for r in ranks if stage in r["stages"]]
+        seconds, slowest = max(times)
+        fig = next(r["stages"][stage] for r in ranks if r["rank"] == slowest)
+        moved = fig.get("gb_per_s") is not None  # (null: the bytes moved outside its time)
+        rate = _rate(fig.get("bytes"), fig["seconds"]) if moved else ""
+        row = [stage.replace("_", " "), f"{seconds:.2f}s", rate]
+        table.add_row(*row, *([f"rank {slowest}", f"{min(times)[0]:.2f}s"] if several else []))
+        for what, part in (fig.get("background") or {}).items():
+            secs = f"{part['seconds']:.2f}s"
+            rate = _rate(fig.get("bytes"), part["seconds"])
+            table.add_row(f"  {what}, in the background", secs, rate, *blank)
+    rss, rss_rank = max((r["peak_rss_bytes"], r["rank"]) for r in ranks)
+    table.add_section()
+    peak = ["peak RSS", f"{rss / 1e9:.1f} GB", ""]
+    table.add_row(*(peak + [f"rank {rss_rank}", ""] if several else peak))
+    return Group(Text(", ".join(_facts(summary))), table)
+
+
+def _rate(nbytes: int | None, seconds: float) -> str:
+    from ckptctl.progress import rate_text
+
+    return rate_text(nbytes, seconds) if nbytes and seconds > 0 else ""
+
+
+def _facts(summary: dict[str, Any]) -> list[str]:
+    """The checkpoint (its path; its name only where one was given), size, method, ranks."""
+    from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME
     from ckptctl.progress import format_bytes
 
-    ranks = summary["ranks"]
-    facts = [summary["checkpoint_name"]]
+    name, path = summary.get("checkpoint_name"), summary.get("checkpoint_path")
+    facts = [str(path or name)]
+    if path and name and name != DEFAULT_CHECKPOINT_NAME:
+        facts[0] += f" as {name}"
     if "total_bytes" in summary:
         count = summary.get("tensor_count")
         facts.append(format_bytes(summary["total_bytes"]) + (f", {count} tensors" if count else ""))
@@ -65,30 +106,7 @@ def stage_table(summary: dict[str, Any]) -> Any:
     facts.append(f"{summary['world_size']} rank(s)")
     if "wall_s" in summary:
         facts.append(f"{summary['wall_s']:.2f}s in all")
-
-    several = len(ranks) > 1
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("stage")
-    table.add_column("time", justify="right")
-    table.add_column("rate", justify="right")
-    if several:
-        table.add_column("slowest", justify="right")
-        table.add_column("fastest", justify="right")
-    for stage in ranks[0]["stages"]:
-        times = [(r["stages"][stage]["seconds"], r["rank"]) for r in ranks if stage in r["stages"]]
-        seconds, slowest = max(times)
-        fig = next(r["stages"][stage] for r in ranks if r["rank"] == slowest)
-        moved = fig.get("bytes") and fig["seconds"] > 0
-        rate = f"{format_bytes(fig['bytes'] / fig['seconds'])}/s" if moved else ""
-        row = [stage.replace("_", " "), f"{seconds:.2f}s", rate]
-        if several:
-            row += [f"rank {slowest}", f"{min(times)[0]:.2f}s"]
-        table.add_row(*row)
-    rss, rss_rank = max((r["peak_rss_bytes"], r["rank"]) for r in ranks)
-    table.add_section()
-    peak = ["peak RSS", f"{rss / 1e9:.1f} GB", ""]
-    table.add_row(*(peak + [f"rank {rss_rank}", ""] if several else peak))
-    return Group(Text(", ".join(facts)), table)
+    return facts
 
 
 def _one_line(summary: dict[str, Any]) -> str:

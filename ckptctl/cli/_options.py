@@ -54,7 +54,7 @@ def at_least(low: float, high: float | None = None) -> Callable[[Any], Any]:
 # -- every command ------------------------------------------------------------------------------
 
 
-def _show_help(ctx: typer.Context, value: bool) -> None:
+def show_help(ctx: typer.Context, value: bool) -> None:
     """What Typer's own --help does (the command is registered with add_help_option=False)."""
     if value and not ctx.resilient_parsing:
         typer.echo(ctx.get_help(), color=ctx.color)
@@ -65,13 +65,12 @@ HelpOpt = Annotated[
     bool,
     typer.Option(
         "--help",
-        "-h",
         metavar=FLAG,
         is_eager=True,
         expose_value=False,
-        callback=_show_help,
+        callback=show_help,
         rich_help_panel=OUTPUT,
-        help="Show this message and exit.",
+        help="Show this message (every option) and exit; -h: the short form.",
     ),
 ]
 
@@ -290,12 +289,12 @@ BucketSizeOpt = Annotated[
     float | None,
     typer.Option(
         "--bucket-size-gb",
-        metavar="GIB",
+        metavar="N",
         callback=at_least(0.001),
         show_default=False,
         rich_help_panel=TRANSFER,
-        help="Largest transfer bucket in GiB (checkpoint-engine's PS_MAX_BUCKET_SIZE_GB; "
-        "its default is 8).",
+        help="Largest transfer bucket, in units of 2^30 bytes (GiB, as checkpoint-engine's "
+        "PS_MAX_BUCKET_SIZE_GB counts; its default is 8).",
     ),
 ]
 MemFractionOpt = Annotated[

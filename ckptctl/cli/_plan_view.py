@@ -80,20 +80,43 @@ def plan_document(plan: Plan, groups: Sequence[GroupPlan]) -> dict[str, Any]:
     return doc
 
 
-def show_plan(out: Output, plan: Plan, groups: Sequence[GroupPlan]) -> None:
-    """Rank 0 prints the plan: JSON with --json, otherwise the tables and the summary."""
-    if out.json_mode:
-        out.result(plan_document(plan, groups))
-        return
-    out.show(Group(plan_table(plan), groups_table(groups), plan_summary(plan)))
+def idle_reason(plan: Plan) -> str:
+    """Why some ranks of `plan` hold nothing: too few pieces, or pieces too large."""
+    unit = "file" if plan.split == "files" else "tensor"
+    ckpt = plan.checkpoint
+    sizes = list(ckpt.file_bytes.values()) if unit == "file" else [t.nbytes for t in ckpt.tensors]
+    if len(sizes) < plan.world_size:
+        return f"the checkpoint has fewer {unit}s ({len(sizes)}) than ranks ({plan.world_size})"
+    return (
+        f"its largest {unit} ({format_bytes(max(sizes))}) is more than an even share "
+        f"({format_bytes(int(plan.even_bytes))}), so no rank can be smaller than that one, and "
+        "the rest fit on fewer ranks"
+    )
+
+
+def plan_warnings(plan: Plan) -> list[str]:
+    """What a reader of the plan should know: idle ranks, ignored files."""
+    warnings = []
     idle = [r.rank for r in plan.ranks if not r.tensors]
-    if idle and out.is_primary:
-        out.warn(
-            f"{len(idle)} rank(s) get no tensors: the checkpoint has fewer {plan.split} than ranks"
+    if idle:
+        warnings.append(f"{len(idle)} rank(s) get no tensors: {idle_reason(plan)}")
+    ckpt = plan.checkpoint
+    if ckpt.ignored_files:
+        warnings.append(
+            f"{ckpt.index_file} does not name {len(ckpt.ignored_files)} .safetensors file(s) "
+            f"in the directory, which are ignored (e.g. {ckpt.ignored_files[0]})"
         )
-    if plan.checkpoint.ignored_files and out.is_primary:
-        out.warn(
-            f"{plan.checkpoint.index_file} does not name {len(plan.checkpoint.ignored_files)} "
-            f".safetensors file(s) in the directory, which are ignored (e.g. "
-            f"{plan.checkpoint.ignored_files[0]})"
-        )
+    return warnings
+
+
+def show_plan(out: Output, plan: Plan, groups: Sequence[GroupPlan]) -> None:
+    """Rank 0 prints the plan: JSON with --json, otherwise the tables and the summary; the
+    warnings go to stderr either way, and into the JSON document."""
+    warnings = plan_warnings(plan)
+    if out.json_mode:
+        out.result({**plan_document(plan, groups), "warnings": warnings})
+    else:
+        out.show(Group(plan_table(plan), groups_table(groups), plan_summary(plan)))
+    if out.is_primary:
+        for warning in warnings:
+            out.warn(warning)

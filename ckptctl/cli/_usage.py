@@ -11,6 +11,7 @@ is matched loosely, and anything not recognised is passed on as Typer said it.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Sequence
 
@@ -31,11 +32,18 @@ _VALUE_PROBLEMS: tuple[tuple[str, str], ...] = (
 def describe(message: str, args: Sequence[str]) -> str:
     """One line for Typer's `message` about the command line `args`."""
     message = message.strip()
-    bad_value = re.match(r"Invalid value for '?([^':]+)'?: (.*)", message, re.S)
+    # (A flag read from the environment too is named with its variable: "'--engine' (env var:
+    # 'CKPTCTL_ENGINE')".)
+    bad_value = re.match(
+        r"Invalid value for '?([^':]+)'?(?: \(env var: '([^']*)'\))?: (.*)", message, re.S
+    )
     if bad_value:
-        flag, problem = bad_value.group(1), " ".join(bad_value.group(2).split())
+        flag, envvar, problem = bad_value.group(1), bad_value.group(2), bad_value.group(3)
+        problem = " ".join(problem.split())
         value = value_of(flag, args)
         shown = repr(value) if value is not None else "that"
+        if value is None and envvar and envvar in os.environ:
+            shown = f"{os.environ[envvar]!r} (from {envvar})"
         for pattern, wording in _VALUE_PROBLEMS:
             m = re.search(pattern, problem)
             if m:

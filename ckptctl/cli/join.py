@@ -27,7 +27,7 @@ from ckptctl.cli._options import (
     WeightVersionOpt,
 )
 from ckptctl.cli._output import Output
-from ckptctl.defaults import DEFAULT_ENDPOINT
+from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 
 
 def join_command(
@@ -41,7 +41,7 @@ def join_command(
             help="Metas file written by `ckptctl save-metas` (or `update --save-metas-file`).",
         ),
     ],
-    checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
+    checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
     allow_pickle: AllowPickleOpt = False,
     endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
     uds: UdsListOpt = None,

@@ -24,26 +24,23 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.errors import UsageError
+from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME
 
 
 def save_metas_command(
     checkpoint_path: CheckpointPathOpt,
     metas_file: Annotated[
-        Path | None,
+        Path,
         typer.Option(
             "--metas-file",
             metavar="FILE",
             show_default=False,
             rich_help_panel=CHECKPOINT,
             help="Where rank 0 writes the metas file (JSON, checksummed, written atomically). "
-            "Required. (--save-metas-file, as `update` calls it, works too.)",
+            "--save-metas-file, as `update` calls it, works too.",
         ),
-    ] = None,
-    save_metas_file: Annotated[
-        Path | None, typer.Option("--save-metas-file", hidden=True, show_default=False)
-    ] = None,
-    checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
+    ],
+    checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
@@ -75,11 +72,6 @@ def save_metas_command(
     from ckptctl.pipeline.metas_jobs import SaveMetasOptions, run_save_metas
 
     out = Output(json_mode=json_output, quiet=quiet)
-    if metas_file is not None and save_metas_file is not None and metas_file != save_metas_file:
-        raise UsageError("--metas-file and --save-metas-file name two files: give one")
-    metas_file = metas_file or save_metas_file
-    if metas_file is None:
-        raise UsageError("--metas-file is required: where rank 0 writes the metas file")
     opts = SaveMetasOptions(
         checkpoint_path=str(checkpoint_path),
         metas_file=str(metas_file),

@@ -109,7 +109,7 @@ def serve_command(
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
-    push_timeout: PushTimeoutOpt = 600.0,
+    push_timeout: PushTimeoutOpt = 600,
     server_wait: Annotated[
         float,
         typer.Option(
@@ -121,7 +121,7 @@ def serve_command(
             "before it fails with exit 1; the job goes on. The first push waits up to "
             "--push-timeout, for the server's start-up.",
         ),
-    ] = 30.0,
+    ] = 30,
     no_restore: Annotated[
         bool,
         typer.Option(
@@ -220,7 +220,7 @@ def push_command(
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
-    wait: WaitOpt = 0.0,
+    wait: WaitOpt = 0,
     timeout: Annotated[
         float,
         typer.Option(
@@ -231,7 +231,7 @@ def push_command(
             help="Seconds to wait for the push's answer (exit 4); the serve job bounds each "
             "push by its own --push-timeout.",
         ),
-    ] = 900.0,
+    ] = 900,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
@@ -413,7 +413,7 @@ def status_command(
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
-    wait: WaitOpt = 0.0,
+    wait: WaitOpt = 0,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
@@ -444,7 +444,7 @@ def stop_command(
             rich_help_panel=WAITING,
             help="Wait up to this many seconds until the job has stopped serving; exit 4 if not.",
         ),
-    ] = 0.0,
+    ] = 0,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,

@@ -43,7 +43,7 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.defaults import DEFAULT_ENDPOINT
+from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
 from ckptctl.launch import LaunchInfo, launch_info
 
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 DRY_RUN_NODE_SIZE = 8  # ranks per node a dry run takes without --nproc-per-node
 
 
-def resolve_world_size(launch: LaunchInfo, flag: int | None) -> int:
-    """torchrun's WORLD_SIZE when there is one; otherwise --world-size (default 1)."""
+def resolve_world_size(launch: LaunchInfo, flag: int | None, default: int = 1) -> int:
+    """torchrun's WORLD_SIZE when there is one; otherwise --world-size (or `default`)."""
     if launch.under_torchrun:
         if flag is not None and flag != launch.world_size:
             raise UsageError(
@@ -63,7 +63,7 @@ def resolve_world_size(launch: LaunchInfo, flag: int | None) -> int:
                 "torchrun; drop --world-size (torchrun's world is used)"
             )
         return launch.world_size
-    return 1 if flag is None else flag
+    return default if flag is None else flag
 
 
 def update_command(
@@ -79,7 +79,7 @@ def update_command(
             "--load-metas-file is given.",
         ),
     ] = None,
-    checkpoint_name: CheckpointNameOpt = "my-checkpoint-iter-0",
+    checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
@@ -145,7 +145,8 @@ def update_command(
             callback=at_least(1, 65536),
             show_default=False,
             rich_help_panel=DRY_RUN,
-            help="Ranks to plan for (under torchrun: its WORLD_SIZE). Default: 1.",
+            help="Ranks to plan for (under torchrun: its WORLD_SIZE). Default: one server "
+            "group, --inference-parallel-size ranks.",
         ),
     ] = None,
     nproc_per_node: Annotated[
@@ -172,7 +173,9 @@ def update_command(
     """
     launch = launch_info()
     out = Output(json_mode=json_output, quiet=quiet, launch=launch)
-    world = resolve_world_size(launch, world_size)
+    # A dry run on a laptop plans one server group by default: a world of 1 would refuse the
+    # default --inference-parallel-size 8 before the checkpoint is even looked at.
+    world = resolve_world_size(launch, world_size, inference_parallel_size if dry_run else 1)
 
     if load_metas_file is not None and (dry_run or save_metas_file is not None):
         raise UsageError(
@@ -230,9 +233,16 @@ def update_command(
     )
     mode = "consume" if consume_shm_files else register_mode.value
     if dry_run:
+        world_given = world_size is not None or launch.under_torchrun
         plan_dry_run(
             out, launch, servers, checkpoint_path, split.value, mode, world, nproc_per_node
         )
+        if not world_given:
+            out.log(
+                f"dry run: planned one server group of {world} rank(s) "
+                f"(--inference-parallel-size {inference_parallel_size}); give --world-size N "
+                "for another world"
+            )
         return None
 
     from ckptctl.cli._job_view import run_job_with_display

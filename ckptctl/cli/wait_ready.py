@@ -120,7 +120,7 @@ def wait_ready_command(
                 Text(
                     redact(
                         f"waiting for {address.describe()} to be {goal} · {elapsed:.1f}s · "
-                        f"{attempts} attempts · last: {probe.status}"
+                        f"{count(attempts)} · last: {probe.status}"
                     )
                 )
             )
@@ -130,7 +130,7 @@ def wait_ready_command(
             last_line_at[0] = elapsed
         elif elapsed - last_line_at[0] >= HEARTBEAT_S:
             # ...and one every HEARTBEAT_S while nothing changes.
-            out.log(f"{elapsed:6.1f}s  still waiting ({attempts} attempts): {probe.status}")
+            out.log(f"{elapsed:6.1f}s  still waiting ({count(attempts)}): {probe.status}")
             last_line_at[0] = elapsed
         last_status.append(probe.status)
 
@@ -152,9 +152,30 @@ def wait_ready_command(
     if not result.ready:
         raise DeadlineExceeded(
             f"{address.describe()} was not {goal} within {timeout:g}s "
-            f"({result.attempts} attempts, last: {result.last_status}); "
-            "check that the server is running, or raise --timeout"
+            f"({count(result.attempts)}, last: {result.last_status}); "
+            f"{_what_to_do(result.last_status, for_, weight_version)}"
         )
     out.log(
-        f"ready after {result.elapsed_s:.1f}s ({result.attempts} attempts): {result.last_status}"
+        f"{address.describe()} is {goal} after {result.elapsed_s:.1f}s "
+        f"({count(result.attempts)}; it answered {result.last_status})"
     )
+
+
+def count(attempts: int) -> str:
+    return f"{attempts} attempt" + ("" if attempts == 1 else "s")
+
+
+def _what_to_do(last_status: str, for_: ReadyCondition, weight_version: str | None) -> str:
+    """The advice that fits how the wait ended: a server that answers is running."""
+    if last_status.startswith("weight version"):
+        return (
+            f"it serves another weight version: push {weight_version!r} to it, or raise --timeout"
+        )
+    if last_status.startswith("HTTP ") and for_ is ReadyCondition.healthy:
+        return (
+            "the server is running but not healthy: SGLang answers 503 until it has weights "
+            "(push some, or wait with --for listening); else see its log, or raise --timeout"
+        )
+    if last_status.startswith(("HTTP ", "/", "no weight-version")):
+        return "the server answers, but not as asked: see its log, or raise --timeout"
+    return "check that the server is running, or raise --timeout"

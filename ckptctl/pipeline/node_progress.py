@@ -34,6 +34,7 @@ class NodeProgress:
         self.store = store
         self.launch = launch
         self.reporter = reporter
+        self.expected = launch.local_world_size - 1  # the ranks whose counters rank 0 reads
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._cache: tuple[float, dict[int, dict[str, tuple[int, int]]]] = (0.0, {})

@@ -257,11 +257,20 @@ def register_share(
                 checkpoint, share.tensors, pin=True, on_read=st.done.add
             )
             session.register_buffers(name, reader.result())
+            how = f"{reader.threads} reader thread{'' if reader.threads == 1 else 's'}"
+            if prefetched is not None:
+                # Read and pinned in a thread since before this stage: its time is the wait.
+                st.background = {
+                    "read": reader.read_seconds or 0.0,
+                    "pin": reader.pin_seconds or 0.0,
+                }
+            else:
+                read, pin = reader.read_seconds or 0.0, reader.pin_seconds or 0.0
+                how = f"read {read:.2f}s + pin {pin:.2f}s, {how}"
             st.detail += (
-                f" (read {reader.read_seconds:.2f}s + pin {reader.pin_seconds or 0:.2f}s"
-                f"{' through the driver' if reader.pinned_by_driver else ''}"
-                f"{', before torch' if reader.pinned_before_torch else ''}, "
-                f"in the background, {reader.threads} reader threads)"
+                f" ({how}"
+                f"{', pinned through the driver' if reader.pinned_by_driver else ''}"
+                f"{', before torch' if reader.pinned_before_torch else ''})"
             )
             return
         from ckptctl.checkpoint import load_rank_tensors
