@@ -45,6 +45,7 @@ GiB = 1 << 30
 # name: (tensor specs, shard size). Qwen3 in HF's 4 GiB shards; the DeepSeek-V3 layout at small
 # widths in 53 MB shards, 56 of them, as many as the real one's per GB is not (issue 16).
 MODELS = {
+    "qwen3-0.6b": ("qwen3_0_6b", 4 * GiB),
     "qwen3-4b": ("qwen3_4b", 4 * GiB),
     "qwen3-8b": ("qwen3_8b", 4 * GiB),
     "qwen3-32b": ("qwen3_32b", 4 * GiB),

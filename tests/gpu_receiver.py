@@ -77,12 +77,18 @@ class ReceiverConfig:
     fail_bucket: int | None = None
     # A worker process exits hard (os._exit) in bucket k (-1 = last), mid-update.
     die_in_bucket: int | None = None
+    # fail_bucket and die_in_bucket apply to the next update only (the restore after it goes
+    # through).
+    once: bool = False
     # The HTTP handler never hands the sockets to the workers; it answers 200 after this
     # many seconds, or never (None) while `never_connect` is set.
     never_connect: bool = False
     never_connect_answer_after_s: float | None = None
     # Sleep before handling an update.
     delay_s: float = 0.0
+    # Sleep this long in each bucket before loading it (a slow server: a push long enough to
+    # stop, cancel or kill the server in the middle of).
+    bucket_delay_s: float = 0.0
     # How long a worker waits on its zmq socket (no PS, stalled PS), and the HTTP handler
     # on a worker, before the update is failed and reported.
     worker_timeout_s: float = 300.0
@@ -200,6 +206,8 @@ class _Update:
     def run(self, weights: list[tuple[str, Any]]) -> None:
         bucket = self.buckets
         self.buckets += 1
+        if self.cfg.get("bucket_delay_s"):
+            time.sleep(float(self.cfg["bucket_delay_s"]))
         for name, _ in weights:
             self.counts[name] = self.counts.get(name, 0) + 1
         completes = all(name in self.counts for name in self.params)
@@ -656,6 +664,9 @@ class ReceiverServer:
         self._seq += 1
         seq = self._seq
         snapshot = asdict(cfg)
+        if cfg.once:
+            cfg.fail_bucket = cfg.die_in_bucket = None
+            cfg.once = False
         for i, conn in enumerate(self._conns):
             if self._workers[i]["alive"]:
                 conn.send(("update", seq, dict(handles), snapshot))

@@ -277,7 +277,7 @@ def rollback_command(
             rich_help_panel=WAITING,
             help="Seconds to wait for the rollback's answer (exit 4).",
         ),
-    ] = 900.0,
+    ] = 900,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
