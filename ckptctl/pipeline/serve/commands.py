@@ -17,11 +17,21 @@ Every rank calls the same methods in the same order:
 Payloads are JSON bytes in uint8 tensors, their lengths first: nothing is ever unpickled.
 Every operation has a timeout; a rank that died fails the others' next operation at once (its
 connections close), one that hangs fails it at the timeout, and the job then ends.
+
+gloo's listening socket takes no connection once the group is up. gloo accepts and keeps every
+connection made to it, and aborts the process when an accept fails: a thousand bare connects
+(anyone's) under `ulimit -n 1024` ended the job. All pairs connect while the group is built
+(lazy init off), so afterwards a socket filter that drops every packet makes the listener
+unreachable; gloo has no way to close it. A job whose ranks all run on one node (torchrun's
+LOCAL_WORLD_SIZE equal to WORLD_SIZE) builds the group on 127.0.0.1, so only local users can
+reach it even then; a job of one process builds no group at all.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -42,17 +52,24 @@ class CommandChannel:
 
         self.rank = rank
         self.world_size = world_size
+        self._pg: Any = None
+        if world_size == 1:
+            return  # every collective of one rank is a copy: no group, no port
+        before = _tcp_listeners()  # (a gloo device listens from its creation on)
+        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined] # (as torch builds it)
+        opts._timeout = timedelta(seconds=TICK_TIMEOUT_S)
         try:
-            self._pg: Any = ProcessGroupGloo(
-                PrefixStore(STORE_PREFIX, store),
-                rank,
-                world_size,
-                timedelta(seconds=TICK_TIMEOUT_S),
-            )
+            opts._devices = _devices(world_size)
+            opts._threads = 2 * len(opts._devices)
+            self._pg = ProcessGroupGloo(PrefixStore(STORE_PREFIX, store), rank, world_size, opts)
         except RuntimeError as exc:
             raise OperationFailed(
                 f"could not build the serve job's gloo group: {_first_line(exc)}"
             ) from None
+        # Every pair is connected now: the listener gloo opened has nothing left to accept.
+        for fd, inode in _tcp_listeners().items():
+            if inode not in before.values():
+                _drop_every_packet(fd)
 
     # -- the collectives ---------------------------------------------------------------------------
     def tick(
@@ -114,7 +131,8 @@ class CommandChannel:
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
         opts.timeout = timedelta(seconds=timeout_s)
-        self._run(lambda: self._pg.allreduce([tensor], opts))
+        if self._pg is not None:  # (one rank: the sum is the tensor itself)
+            self._run(lambda: self._pg.allreduce([tensor], opts))
 
     def _broadcast(self, data: bytes, length: int, root: int, timeout_s: float) -> bytes:
         import torch
@@ -126,7 +144,8 @@ class CommandChannel:
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
         opts.timeout = timedelta(seconds=timeout_s)
-        self._run(lambda: self._pg.broadcast([buf], opts))
+        if self._pg is not None:
+            self._run(lambda: self._pg.broadcast([buf], opts))
         return _as_bytes(buf)
 
     def _all_gather(self, outs: list[Any], tensor: Any, timeout_s: float) -> None:
@@ -134,6 +153,9 @@ class CommandChannel:
 
         opts = AllgatherOptions()
         opts.timeout = timedelta(seconds=timeout_s)
+        if self._pg is None:
+            outs[0].copy_(tensor)
+            return
         self._run(lambda: self._pg.allgather([outs], [tensor], opts))
 
     def _run(self, start: Any) -> None:
@@ -143,6 +165,74 @@ class CommandChannel:
             raise OperationFailed(
                 f"the serve job lost contact with a rank ({_first_line(exc)}): it probably "
                 "died or hangs - see its log"
+            ) from None
+
+
+def _devices(world_size: int) -> list[Any]:
+    """gloo's devices, connecting every pair while the group is built (never lazily): on
+    127.0.0.1 when every rank runs on this node, else as torch builds them (GLOO_SOCKET_IFNAME,
+    or the address the host name resolves to)."""
+    from torch.distributed import ProcessGroupGloo
+
+    if os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(world_size):
+        return [ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=False)]
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+    if names:
+        return [ProcessGroupGloo.create_device(interface=n.strip(), lazy_init=False) for n in names]
+    return [ProcessGroupGloo.create_default_device(lazy_init=False)]
+
+
+def _tcp_listeners() -> dict[int, str]:
+    """This process's listening TCP sockets: fd -> its socket inode (an fd number alone may be
+    reused between two looks)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if not target.startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue  # closed meanwhile, or not a socket Python can wrap
+        with sock:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+            ):
+                found[int(name)] = target
+    return found
+
+
+SO_ATTACH_FILTER = 26  # Linux; Python's socket module does not name it
+
+
+def _drop_every_packet(fd: int) -> None:
+    """Attach a classic BPF filter that keeps nothing (`ret #0`) to the socket `fd`: its
+    SYNs are dropped before a connection exists, so no connection ever reaches gloo's accept."""
+    import ctypes
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [
+            ("code", ctypes.c_uint16),
+            ("jt", ctypes.c_uint8),
+            ("jf", ctypes.c_uint8),
+            ("k", ctypes.c_uint32),
+        ]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(SockFilter))]
+
+    program = (SockFilter * 1)(SockFilter(0x06, 0, 0, 0))  # BPF_RET | BPF_K, 0 bytes kept
+    prog = SockFprog(1, program)
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        try:
+            sock.setsockopt(
+                socket.SOL_SOCKET,
+                SO_ATTACH_FILTER,
+                ctypes.string_at(ctypes.addressof(prog), ctypes.sizeof(prog)),
+            )
+        except OSError as exc:
+            raise OperationFailed(
+                f"could not close the serve job's gloo listener to new connections: {exc}"
             ) from None
 
 
