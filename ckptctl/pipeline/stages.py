@@ -389,6 +389,8 @@ class ServerRequest:
         assert address is not None
         try:
             self._request(address, group_handles(socket_paths, self.assignment.members))
+        except OperationFailed as exc:  # ours, one line already (a server socket refused...)
+            self.fail(exc.exit_code, f"update request failed: {exc}")
         except Exception as exc:  # noqa: BLE001 - never let checkpoint-engine's thread swallow it
             self.fail(ExitCode.FAILED, f"update request failed: {type(exc).__name__}: {exc}")
 
