@@ -33,6 +33,7 @@ import json
 import os
 import socket
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from ckptctl.errors import OperationFailed
@@ -183,22 +184,26 @@ def _devices(world_size: int) -> list[Any]:
 
 
 def _tcp_listeners() -> dict[int, str]:
-    """This process's listening TCP sockets: fd -> its socket inode (an fd number alone may be
-    reused between two looks)."""
+    """This process's listening TCP sockets: fd -> "socket:[inode]" (an fd number alone may be
+    reused between two looks). Read from /proc, without wrapping another library's sockets."""
+    listening = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue  # (no IPv6)
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A":  # TCP_LISTEN
+                listening.add(f"socket:[{fields[9]}]")
     found = {}
     for name in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{name}")
-            if not target.startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=os.dup(int(name)))
-        except (OSError, ValueError):
-            continue  # closed meanwhile, or not a socket Python can wrap
-        with sock:
-            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getsockopt(
-                socket.SOL_SOCKET, socket.SO_ACCEPTCONN
-            ):
-                found[int(name)] = target
+        except OSError:
+            continue  # closed meanwhile
+        if target in listening:
+            found[int(name)] = target
     return found
 
 
@@ -223,17 +228,14 @@ def _drop_every_packet(fd: int) -> None:
 
     program = (SockFilter * 1)(SockFilter(0x06, 0, 0, 0))  # BPF_RET | BPF_K, 0 bytes kept
     prog = SockFprog(1, program)
-    with socket.socket(fileno=os.dup(fd)) as sock:
-        try:
-            sock.setsockopt(
-                socket.SOL_SOCKET,
-                SO_ATTACH_FILTER,
-                ctypes.string_at(ctypes.addressof(prog), ctypes.sizeof(prog)),
-            )
-        except OSError as exc:
-            raise OperationFailed(
-                f"could not close the serve job's gloo listener to new connections: {exc}"
-            ) from None
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setsockopt(
+        fd, socket.SOL_SOCKET, SO_ATTACH_FILTER, ctypes.byref(prog), ctypes.sizeof(prog)
+    ):
+        raise OperationFailed(
+            "could not close the serve job's gloo listener to new connections: "
+            f"{os.strerror(ctypes.get_errno())}"
+        )
 
 
 def _as_tensor(data: bytes) -> Any:
