@@ -39,10 +39,11 @@ def _whom(trusted: Collection[int]) -> str:
 
 def check_socket_owner(path: str, trusted: Collection[int]) -> None:
     """Before connecting: a socket at `path` must belong to a trusted uid. Nothing there yet
-    (a server still starting) is left to the connect to report."""
+    (a server still starting) is left to the connect to report, and an abstract socket (a
+    name starting with NUL, no file) to the peer check."""
     try:
         st = os.stat(path)
-    except OSError:
+    except (OSError, ValueError):
         return
     if stat.S_ISSOCK(st.st_mode) and st.st_uid not in trusted:
         raise UntrustedSocket(

@@ -86,12 +86,15 @@ def flood(address: str, port: int, connections: int, rounds: int = 3) -> int:
             for s in socks:
                 s.setblocking(False)
                 s.connect_ex((address, port))
-            pending = set(socks)
+            poller = select.poll()  # (select() stops at descriptor 1023)
+            pending = {s.fileno(): s for s in socks}
+            for fd in pending:
+                poller.register(fd, select.POLLOUT)
             deadline = time.monotonic() + 0.5
             while pending and time.monotonic() < deadline:
-                _, done, _ = select.select([], list(pending), [], 0.05)
-                for s in done:
-                    pending.discard(s)
+                for fd, _ in poller.poll(50):
+                    poller.unregister(fd)
+                    s = pending.pop(fd)
                     made += s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
         finally:
             for s in socks:

@@ -3,7 +3,8 @@ sends nothing until it knows the socket file and the process listening on it bel
 user or to root. A squatter of another uid on the path gets not a byte.
 
 Another real uid needs root (a squatter that drops to `nobody`); without root, the same checks
-run against a real socket of our own with the trusted uids injected (`trusted_uids=`)."""
+run against a real socket of our own with the trusted uids injected (`trusted_uids=`): a file
+socket for the owner check, an abstract one (no file) for the peer check."""
 
 from __future__ import annotations
 
@@ -134,6 +135,21 @@ def test_a_socket_of_an_untrusted_owner_is_refused_before_connecting(short_tmp: 
         s.behaviour.requests.clear()
         refusing = bounded_client("http://localhost", uds=path, timeout=5, trusted_uids=stranger)
         with refusing, pytest.raises(UntrustedSocket, match=f"belongs to uid {os.getuid()}"):
+            refusing.get("/ping", headers={"Authorization": f"Bearer {SECRET}"})
+        assert s.behaviour.requests == []
+
+
+def test_a_listener_of_an_untrusted_uid_is_refused_before_the_request() -> None:
+    """An abstract socket (a name starting with NUL) has no file to check: the peer's uid,
+    read from the connection, is what refuses it."""
+    path = f"\0ckptctl-test-{os.getpid()}-{id(object())}"
+    stranger = frozenset({os.getuid() + 4242})
+    with FakeServer(Behaviour(), uds=path) as s:
+        with bounded_client("http://localhost", uds=path, timeout=5) as client:
+            assert client.get("/ping").status_code in (200, 503)  # ours: talked to
+        s.behaviour.requests.clear()
+        refusing = bounded_client("http://localhost", uds=path, timeout=5, trusted_uids=stranger)
+        with refusing, pytest.raises(UntrustedSocket, match=f"runs as uid {os.getuid()}"):
             refusing.get("/ping", headers={"Authorization": f"Bearer {SECRET}"})
         assert s.behaviour.requests == []
 
