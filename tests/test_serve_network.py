@@ -152,10 +152,10 @@ def _stop(job: subprocess.Popen[str], sock: str) -> str:
 def test_a_flood_of_bare_connections_to_every_port_of_the_ranks_leaves_the_job_serving(
     short_tmp: Path,
 ) -> None:
-    """Issue 24: a thousand bare connect+close to the command group's gloo listener, under
-    `ulimit -n` of the same order, made gloo abort ("accept: Too many open files") and
-    torchrun end the job. Every listening port of every rank is flooded here; no connection
-    may reach a rank, and the job must push afterwards."""
+    """Issue 24: bare connect+close to the command group's gloo listener, as many at once as
+    the job's `ulimit -n`, made gloo abort ("accept: Too many open files") and torchrun end
+    the job. Every listening port of every rank is flooded here; no connection may reach a
+    rank, and the job must push afterwards."""
     sock = str(short_tmp / "serve.sock")
     with FakeServer(Behaviour()) as server:
         cmd = torchrun_cmd(
