@@ -56,7 +56,8 @@ def check_peer(conn: socket.socket, path: str, trusted: Collection[int]) -> None
     """Once connected, before anything is sent: the listening process runs as a trusted uid."""
     uid = peer_uid(conn)
     if uid not in trusted:
+        where = "@" + path[1:] if path.startswith("\0") else path  # (an abstract name)
         raise UntrustedSocket(
-            f"the process listening on {path} runs as uid {uid}, not as {_whom(trusted)}: "
+            f"the process listening on {where} runs as uid {uid}, not as {_whom(trusted)}: "
             "refusing to send it anything"
         )
