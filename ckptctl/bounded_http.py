@@ -12,7 +12,9 @@ and one that streams an endless body fills memory. Here every exchange has
 
 Running past the deadline raises httpx.ReadTimeout (or ConnectTimeout/WriteTimeout), so callers
 catch httpx.TimeoutException as before; an oversized answer raises `ResponseTooLarge`, an
-httpx.TransportError. Unix sockets work as with httpx (`uds=`).
+httpx.TransportError. Unix sockets work as with httpx (`uds=`), once their owner and the
+process listening are known to be this user or root (else `UntrustedSocket`, not an httpx
+error: waiting will not make the socket anyone else's).
 
 Not bounded: name resolution (getaddrinfo) for a host name that is not in /etc/hosts.
 
@@ -26,11 +28,13 @@ import contextlib
 import math
 import time
 import typing
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextvars import ContextVar
 
 import httpcore
 import httpx
+
+from ckptctl.unix_peers import check_peer, check_socket_owner, server_uids
 
 MAX_RESPONSE_BYTES = 1 << 20  # every answer ckptctl reads is a few hundred bytes of JSON
 
@@ -115,8 +119,9 @@ class _DeadlineStream(httpcore.NetworkStream):
 
 
 class _DeadlineBackend(httpcore.NetworkBackend):
-    def __init__(self) -> None:
+    def __init__(self, trusted_uids: Collection[int]) -> None:
         self._backend = httpcore.SyncBackend()
+        self._trusted_uids = trusted_uids
 
     def connect_tcp(
         self,
@@ -134,8 +139,17 @@ class _DeadlineBackend(httpcore.NetworkBackend):
     def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: typing.Any = None
     ) -> httpcore.NetworkStream:
+        # Whoever listens there gets the API key and the IPC handles: it must be a user we
+        # trust, checked before anything is sent (unix_peers.py).
+        check_socket_owner(path, self._trusted_uids)
         wait = _left(timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(self._backend.connect_unix_socket(path, wait, socket_options))
+        stream = self._backend.connect_unix_socket(path, wait, socket_options)
+        try:
+            check_peer(stream.get_extra_info("socket"), path, self._trusted_uids)
+        except BaseException:
+            stream.close()
+            raise
+        return _DeadlineStream(stream)
 
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)
@@ -220,10 +234,12 @@ class BoundedTransport(httpx.BaseTransport):
         *,
         uds: str | None = None,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
+        trusted_uids: Collection[int] | None = None,
     ) -> None:
         self._limit = max_response_bytes
+        backend = _DeadlineBackend(server_uids() if trusted_uids is None else trusted_uids)
         # (ssl_context None: httpcore builds its default, certifi's roots, when https is used.)
-        self._pool = httpcore.ConnectionPool(uds=uds, network_backend=_DeadlineBackend())
+        self._pool = httpcore.ConnectionPool(uds=uds, network_backend=backend)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         assert isinstance(request.stream, httpx.SyncByteStream)
@@ -271,15 +287,20 @@ def bounded_client(
     uds: str | None = None,
     headers: dict[str, str] | None = None,
     max_response_bytes: int = MAX_RESPONSE_BYTES,
+    trusted_uids: Collection[int] | None = None,
 ) -> httpx.Client:
     """An httpx client whose every request ends within `timeout` seconds in all and reads at
     most `max_response_bytes` of answer. `trust_env=False`: proxy settings never reroute a
-    loopback or Unix-socket call."""
+    loopback or Unix-socket call. Over `uds`, it sends nothing to a socket or a listening
+    process of a uid outside `trusted_uids` (default: this user and root) and raises
+    `UntrustedSocket` (exit 1) instead."""
     return httpx.Client(
         base_url=base_url,
         # Plain answers only (EncodedResponse): httpx would ask for gzip and brotli by default.
         headers={"Accept-Encoding": "identity", **(headers or {})},
         timeout=timeout,
-        transport=BoundedTransport(uds=uds, max_response_bytes=max_response_bytes),
+        transport=BoundedTransport(
+            uds=uds, max_response_bytes=max_response_bytes, trusted_uids=trusted_uids
+        ),
         trust_env=False,
     )

@@ -24,6 +24,7 @@ from ckptctl.server import (
     CONTRACTS,
     EngineContract,
     ServerAddress,
+    auth_headers,
     describe_failure,
     make_client,
     one_line,
@@ -69,11 +70,14 @@ class WaitResult:
         return doc
 
 
-def read_weight_version(client: httpx.Client, contract: EngineContract) -> tuple[str | None, str]:
-    """(version, status) from the first endpoint this server version has; version None if unread."""
+def read_weight_version(
+    client: httpx.Client, contract: EngineContract, headers: dict[str, str] | None = None
+) -> tuple[str | None, str]:
+    """(version, status) from the first endpoint this server version has; version None if unread.
+    headers: added to each request (the API key, for a client that does not send it)."""
     last = "no weight-version endpoint answered"
     for path in contract.weight_version_paths:
-        response = client.get(path)
+        response = client.get(path, headers=headers)
         if response.status_code == 404:
             continue  # an older or newer SGLang: try the next endpoint
         if response.status_code != 200:
@@ -101,7 +105,9 @@ class Prober:
         self.contract = CONTRACTS[engine]
         self.condition = condition
         self.weight_version = weight_version
-        self._client = make_client(address, timeout=5.0)
+        # The key goes only where the server asks for it: to the weight version reads, not
+        # with every probe for as long as a server (or whoever took its port) starts.
+        self._client = make_client(address, timeout=5.0, send_key=False)
 
     def close(self) -> None:
         self._client.close()
@@ -125,7 +131,9 @@ class Prober:
                 up = True if self.condition == "listening" else code == 200
                 if not up or self.weight_version is None:
                     return Probe(up, f"HTTP {code}", code)
-                version, status = read_weight_version(self._client, self.contract)
+                version, status = read_weight_version(
+                    self._client, self.contract, auth_headers(self.address)
+                )
                 return Probe(version == self.weight_version, status, code, version)
         except httpx.HTTPError as exc:  # every transport failure is "not ready yet"
             return Probe(False, describe_failure(exc, self.address, attempt_timeout))

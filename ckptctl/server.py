@@ -112,18 +112,27 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
+def auth_headers(address: ServerAddress) -> dict[str, str]:
+    """The API key as a Bearer token, for the calls that need it (none without a key)."""
+    return {"Authorization": f"Bearer {address.api_key}"} if address.api_key else {}
+
+
 def make_client(
-    address: ServerAddress, timeout: float, *, max_response_bytes: int = MAX_RESPONSE_BYTES
+    address: ServerAddress,
+    timeout: float,
+    *,
+    max_response_bytes: int = MAX_RESPONSE_BYTES,
+    send_key: bool = True,
 ) -> httpx.Client:
     """An httpx client for `address`: each request ends within `timeout` seconds in all, and
     reads at most `max_response_bytes` of answer (bounded_http.py: a server may trickle or
-    flood)."""
-    headers = {"Authorization": f"Bearer {address.api_key}"} if address.api_key else {}
+    flood). send_key=False: the key goes only with requests given `auth_headers` (readiness
+    probes go without: SGLang checks no key on /health, and any answer on /ping will do)."""
     client = bounded_client(
         address.endpoint,
         timeout=timeout,
         uds=address.uds,
-        headers=headers,
+        headers=auth_headers(address) if send_key else {},
         max_response_bytes=max_response_bytes,
     )
     if address.api_key:

@@ -245,8 +245,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._endless_body(length=10**12)
 
     def _authorised(self) -> bool:
+        """SGLang's API key check: every route but /health* and /metrics."""
         b: Behaviour = self.server.behaviour
         if b.api_key is None or self.headers.get("Authorization") == f"Bearer {b.api_key}":
+            return True
+        if self.path.startswith(("/health", "/metrics")):
             return True
         self._send_json(401, {"error": "Unauthorized"})
         return False

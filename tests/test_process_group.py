@@ -200,13 +200,24 @@ def test_a_rank_that_fails_before_the_group_ends_the_ranks_that_wait_in_it(
 
 
 def test_a_second_connection_sees_the_same_keys_for_a_job_of_one_process() -> None:
-    """serve with one process keeps a store of its own (Coordinator.local): the group's
-    connection to it must reach the same keys."""
+    """serve with one process keeps a store of its own (Coordinator.local), in memory: the
+    group's connection to it reaches the same keys, and a wait blocked in it (the group's
+    rendezvous) does not hold up the watchdog's calls on the first."""
+    import threading
+    from datetime import timedelta
+
     from ckptctl.launch import launch_info
     from ckptctl.pipeline.coordination import Coordinator
 
     coordinator = Coordinator.local(launch_info())
     other = coordinator.second_connection()
-    assert other is not coordinator.store
     other.set("k", "from the second connection")
     assert coordinator.store.get("k") == b"from the second connection"
+    waiter = threading.Thread(target=lambda: other.wait(["late"], timedelta(seconds=60)))
+    waiter.start()
+    coordinator.beat()
+    assert coordinator.beats(0) == 1 and coordinator.aborted() is None
+    assert waiter.is_alive()  # those calls did not wait for it
+    coordinator.store.set("late", "1")
+    waiter.join(timeout=60)
+    assert not waiter.is_alive()

@@ -369,37 +369,33 @@ def test_missing_unix_socket(short_tmp: Path) -> None:
 # -- API key ------------------------------------------------------------------------------------
 
 
-def test_api_key_sent_as_bearer_from_env_and_never_printed() -> None:
+def test_api_key_goes_with_the_weight_version_read_only_and_is_never_printed() -> None:
+    """The probes (/ping, /health) go without the key: SGLang asks for none there, and a
+    server still starting (or whoever took its port first) would get it with every poll. The
+    weight version read, which SGLang guards, carries it."""
     secret = "sk-very-secret-123"
-    with FakeServer(Behaviour(api_key=secret, weights_loaded=True)) as s:
+    with FakeServer(Behaviour(api_key=secret, weights_loaded=True, weight_version="v7")) as s:
         ok = invoke(
-            "wait-ready",
-            "--endpoint",
-            s.endpoint,
-            "--for",
-            "healthy",
-            "--timeout",
-            "3",
-            *FAST,
-            env={"CKPTCTL_API_KEY": secret},
-        )
+            "wait-ready", "--endpoint", s.endpoint, "--for", "healthy", "--weight-version", "v7",
+            "--timeout", "3", *FAST, env={"CKPTCTL_API_KEY": secret},
+        )  # fmt: skip
         assert ok.exit_code == 0, ok.stderr
-        assert s.behaviour.requests[-1]["headers"]["Authorization"] == f"Bearer {secret}"
+        sent = {r["path"]: r["headers"].get("Authorization") for r in s.behaviour.requests}
+        assert sent == {"/health": None, "/model_info": f"Bearer {secret}"}
+        s.behaviour.requests.clear()
+        listening = invoke(
+            "wait-ready", "--endpoint", s.endpoint, "--timeout", "3", *FAST,
+            env={"CKPTCTL_API_KEY": secret},
+        )  # fmt: skip
+        assert listening.exit_code == 0, listening.stderr  # its 401 on /ping is an answer
+        assert [r["headers"].get("Authorization") for r in s.behaviour.requests] == [None]
         bad = invoke(
-            "wait-ready",
-            "--endpoint",
-            s.endpoint,
-            "--for",
-            "healthy",
-            "--timeout",
-            ANSWERED,
-            "--api-key",
-            "sk-wrong-456",
-            *FAST,
+            "wait-ready", "--endpoint", s.endpoint, "--for", "healthy", "--weight-version", "v7",
+            "--timeout", ANSWERED, "--api-key", "sk-wrong-456", *FAST,
             env={"CKPTCTL_DEBUG": "1"},
-        )
+        )  # fmt: skip
     assert bad.exit_code == 4 and "HTTP 401" in bad.stderr
-    for r in (ok, bad):
+    for r in (ok, listening, bad):
         assert secret not in r.stdout + r.stderr
         assert "sk-wrong-456" not in r.stdout + r.stderr
 

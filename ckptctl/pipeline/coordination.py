@@ -167,16 +167,13 @@ class Coordinator:
 
     @classmethod
     def local(cls, launch: LaunchInfo) -> Coordinator:
-        """A store of our own for a job of one process (a long-lived job still needs one)."""
-        import socket
+        """A store of our own for a job of one process (a long-lived job still needs one):
+        in memory, with no port. A TCPStore listens on every interface, and anyone who
+        reached it could end the job. Its waits release the store to other threads, so the
+        one store serves as its own second connection."""
+        from torch.distributed import HashStore
 
-        from torch.distributed import TCPStore
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        store = TCPStore("127.0.0.1", port, 1, True, wait_for_workers=False)
-        return cls(store, launch, address=("127.0.0.1", port, ""))
+        return cls(HashStore(), launch)
 
     @classmethod
     def connect(cls, launch: LaunchInfo, timeout_s: float) -> Coordinator | None:

@@ -455,6 +455,8 @@ class ServerRequest:
         def run() -> None:
             try:
                 self._request(address, handles)
+            except OperationFailed as exc:  # ours, one line already (a server socket refused...)
+                self.fail(exc.exit_code, f"update request failed: {exc}")
             except Exception as exc:  # noqa: BLE001 - never let a thread swallow it
                 self.fail(ExitCode.FAILED, f"update request failed: {type(exc).__name__}: {exc}")
             finally:

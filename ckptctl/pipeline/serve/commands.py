@@ -17,12 +17,23 @@ Every rank calls the same methods in the same order:
 Payloads are JSON bytes in uint8 tensors, their lengths first: nothing is ever unpickled.
 Every operation has a timeout; a rank that died fails the others' next operation at once (its
 connections close), one that hangs fails it at the timeout, and the job then ends.
+
+gloo's listening socket takes no connection once the group is up. gloo accepts every
+connection queued on it, from anyone, before it reads from any, and aborts the process when an
+accept fails: a few hundred bare connects at once, up to the `ulimit -n`, ended the job. All
+pairs connect while the group is built (lazy init off), so afterwards a socket filter that
+drops every packet makes the listener unreachable; gloo has no way to close it. A job whose ranks all run on one node (torchrun's
+LOCAL_WORLD_SIZE equal to WORLD_SIZE) builds the group on 127.0.0.1, so only local users can
+reach it even then; a job of one process builds no group at all.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from ckptctl.errors import OperationFailed
@@ -42,17 +53,24 @@ class CommandChannel:
 
         self.rank = rank
         self.world_size = world_size
+        self._pg: Any = None
+        if world_size == 1:
+            return  # every collective of one rank is a copy: no group, no port
+        before = _tcp_listeners()  # (a gloo device listens from its creation on)
+        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined] # (as torch builds it)
+        opts._timeout = timedelta(seconds=TICK_TIMEOUT_S)
         try:
-            self._pg: Any = ProcessGroupGloo(
-                PrefixStore(STORE_PREFIX, store),
-                rank,
-                world_size,
-                timedelta(seconds=TICK_TIMEOUT_S),
-            )
+            opts._devices = _devices(world_size)
+            opts._threads = 2 * len(opts._devices)
+            self._pg = ProcessGroupGloo(PrefixStore(STORE_PREFIX, store), rank, world_size, opts)
         except RuntimeError as exc:
             raise OperationFailed(
                 f"could not build the serve job's gloo group: {_first_line(exc)}"
             ) from None
+        # Every pair is connected now: the listener gloo opened has nothing left to accept.
+        for fd, inode in _tcp_listeners().items():
+            if inode not in before.values():
+                _drop_every_packet(fd)
 
     # -- the collectives ---------------------------------------------------------------------------
     def tick(
@@ -114,7 +132,8 @@ class CommandChannel:
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
         opts.timeout = timedelta(seconds=timeout_s)
-        self._run(lambda: self._pg.allreduce([tensor], opts))
+        if self._pg is not None:  # (one rank: the sum is the tensor itself)
+            self._run(lambda: self._pg.allreduce([tensor], opts))
 
     def _broadcast(self, data: bytes, length: int, root: int, timeout_s: float) -> bytes:
         import torch
@@ -126,7 +145,8 @@ class CommandChannel:
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
         opts.timeout = timedelta(seconds=timeout_s)
-        self._run(lambda: self._pg.broadcast([buf], opts))
+        if self._pg is not None:
+            self._run(lambda: self._pg.broadcast([buf], opts))
         return _as_bytes(buf)
 
     def _all_gather(self, outs: list[Any], tensor: Any, timeout_s: float) -> None:
@@ -134,6 +154,9 @@ class CommandChannel:
 
         opts = AllgatherOptions()
         opts.timeout = timedelta(seconds=timeout_s)
+        if self._pg is None:
+            outs[0].copy_(tensor)
+            return
         self._run(lambda: self._pg.allgather([outs], [tensor], opts))
 
     def _run(self, start: Any) -> None:
@@ -144,6 +167,75 @@ class CommandChannel:
                 f"the serve job lost contact with a rank ({_first_line(exc)}): it probably "
                 "died or hangs - see its log"
             ) from None
+
+
+def _devices(world_size: int) -> list[Any]:
+    """gloo's devices, connecting every pair while the group is built (never lazily): on
+    127.0.0.1 when every rank runs on this node, else as torch builds them (GLOO_SOCKET_IFNAME,
+    or the address the host name resolves to)."""
+    from torch.distributed import ProcessGroupGloo
+
+    if os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(world_size):
+        return [ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=False)]
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+    if names:
+        return [ProcessGroupGloo.create_device(interface=n.strip(), lazy_init=False) for n in names]
+    return [ProcessGroupGloo.create_default_device(lazy_init=False)]
+
+
+def _tcp_listeners() -> dict[int, str]:
+    """This process's listening TCP sockets: fd -> "socket:[inode]" (an fd number alone may be
+    reused between two looks). Read from /proc, without wrapping another library's sockets."""
+    listening = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue  # (no IPv6)
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A":  # TCP_LISTEN
+                listening.add(f"socket:[{fields[9]}]")
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if target in listening:
+            found[int(name)] = target
+    return found
+
+
+SO_ATTACH_FILTER = 26  # Linux; Python's socket module does not name it
+
+
+def _drop_every_packet(fd: int) -> None:
+    """Attach a classic BPF filter that keeps nothing (`ret #0`) to the socket `fd`: its
+    SYNs are dropped before a connection exists, so no connection ever reaches gloo's accept."""
+    import ctypes
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [
+            ("code", ctypes.c_uint16),
+            ("jt", ctypes.c_uint8),
+            ("jf", ctypes.c_uint8),
+            ("k", ctypes.c_uint32),
+        ]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(SockFilter))]
+
+    program = (SockFilter * 1)(SockFilter(0x06, 0, 0, 0))  # BPF_RET | BPF_K, 0 bytes kept
+    prog = SockFprog(1, program)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setsockopt(
+        fd, socket.SOL_SOCKET, SO_ATTACH_FILTER, ctypes.byref(prog), ctypes.sizeof(prog)
+    ):
+        raise OperationFailed(
+            "could not close the serve job's gloo listener to new connections: "
+            f"{os.strerror(ctypes.get_errno())}"
+        )
 
 
 def _as_tensor(data: bytes) -> Any:

@@ -36,7 +36,6 @@ import os
 import re
 import socket
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl.errors import DeadlineExceeded, OperationFailed, UsageError, print_error
+from ckptctl.unix_peers import peer_uid
 
 MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
@@ -155,13 +155,6 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-def peer_uid(conn: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
 
 
 def _answer(conn: socket.socket, status: int, doc: dict[str, Any]) -> None:
