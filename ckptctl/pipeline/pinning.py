@@ -166,12 +166,8 @@ def fill(
     """
     runs = read_runs(buckets) if runs is None else runs
     populate = _Populate(targets) if fresh else None
-    fds: dict[str, int] = {}
+    files = _OpenFiles(checkpoint, runs)
     try:
-        for name in dict.fromkeys(r.file for r in runs):
-            # Still the file that was planned (else exit 3); a cut during the reads is caught
-            # below as a short read.
-            fds[name] = open_planned(checkpoint, name)
         taken = itertools.count()  # next() is atomic: each run is read by exactly one thread
         failed: list[BaseException] = []
 
@@ -184,7 +180,11 @@ def fill(
                     target = targets[run.bucket]
                     if populate is not None:
                         populate(run)
-                    _read_run(fds[run.file], [target[a : a + n] for a, n in run.pieces], run.pos)
+                    fd = files.acquire(run.file)
+                    try:
+                        _read_run(fd, [target[a : a + n] for a, n in run.pieces], run.pos)
+                    finally:
+                        files.release(run.file)
                     if on_read is not None:
                         on_read(run.nbytes)
             except _Truncated as exc:
@@ -205,8 +205,42 @@ def fill(
     except OSError as exc:
         raise InvalidInput(f"cannot read the checkpoint: {exc}") from None
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        files.close()
+
+
+class _OpenFiles:
+    """The shards' fds, each opened when its first run is read and closed after its last: the
+    runs go in file order, so about one file per reader thread is open at a time (a checkpoint
+    of thousands of shards opened all at once ran out of file descriptors)."""
+
+    def __init__(self, checkpoint: Checkpoint, runs: list[ReadRun]) -> None:
+        self._checkpoint = checkpoint
+        self._left: dict[str, int] = {}
+        for run in runs:
+            self._left[run.file] = self._left.get(run.file, 0) + 1
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, file: str) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                # Still the file that was planned (else exit 3); a cut during the reads is
+                # caught as a short read.
+                fd = self._fds[file] = open_planned(self._checkpoint, file)
+            return fd
+
+    def release(self, file: str) -> None:
+        with self._lock:
+            self._left[file] -= 1
+            if self._left[file] == 0:
+                os.close(self._fds.pop(file))
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in as if written, in one call
