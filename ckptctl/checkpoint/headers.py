@@ -159,18 +159,25 @@ def _parse_entry(path: Path, name: str, entry: object) -> tuple[str, tuple[int, 
     return dtype, tuple(shape), begin, end
 
 
-def _check_empty_shape(path: Path, name: str, shape: list[int]) -> None:
-    """Every running product of the dimensions fits torch's sizes (int64)."""
+def shape_fits(shape: Iterable[int]) -> bool:
+    """Every running product of the dimensions (a 0 counted as 1) fits torch's sizes (int64):
+    a 0 makes the tensor empty, but torch still multiplies the others."""
     product = 1
     for d in shape:
         product *= d or 1
         if product > MAX_ELEMENTS:
-            raise _fail(
-                f"{path}: tensor {name!r}",
-                f"shape {shape} has dimensions beyond {MAX_ELEMENTS} elements, which no tensor "
-                "can have",
-                CORRUPT,
-            )
+            return False
+    return True
+
+
+def _check_empty_shape(path: Path, name: str, shape: list[int]) -> None:
+    if not shape_fits(shape):
+        raise _fail(
+            f"{path}: tensor {name!r}",
+            f"shape {shape} has dimensions beyond {MAX_ELEMENTS} elements, which no tensor "
+            "can have",
+            CORRUPT,
+        )
 
 
 def _is_size(value: object) -> bool:
