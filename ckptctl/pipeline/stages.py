@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
-from ckptctl.pipeline.coordination import PAST_DEADLINE_S
+from ckptctl.pipeline.coordination import PAST_DEADLINE_S, StoppedByPeer
 from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
 from ckptctl.progress import Reporter, format_bytes
@@ -498,11 +498,18 @@ def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, wa
         st.detail = status
 
 
+# How long a rank that reads a stop waits for a signal of its own: torchrun passes its SIGTERM
+# to every rank, and Ctrl-C reaches every process of the terminal, nearly at once.
+OWN_SIGNAL_GRACE_S = 1.0
+
+
 def serve(job: Job, seconds: float | None) -> str:
     """Keep the registered weights up for joiners: `seconds`, or until SIGTERM/SIGINT.
 
-    A signal to any one rank stops them all, cleanly: the rank that got it says so in the
-    job's store, and the others see it there (rather than taking its silence for a crash).
+    A signal to any one rank stops them all: the rank that got it says so in the job's store,
+    and the others see it there (rather than taking its silence for a crash). Anyone who
+    reaches the store can write that stop too, so a rank ends with success only on its own
+    signal or time; one that only read the stop ends as interrupted (StoppedByPeer, 130).
     """
     reason: list[str] = []
 
@@ -521,7 +528,15 @@ def serve(job: Job, seconds: float | None) -> str:
             time.sleep(min(0.2, max(end - time.monotonic(), 0)))
             stopped = job.coordinator.stopped() if job.coordinator is not None else None
             if stopped is not None and not reason:
-                reason.append(f"{stopped['reason']} (on rank {stopped['rank']})")
+                grace = time.monotonic() + OWN_SIGNAL_GRACE_S
+                while not reason and time.monotonic() < grace:
+                    time.sleep(0.05)
+                if not reason:
+                    raise StoppedByPeer(
+                        f"rank {stopped['rank']} stopped the job ({stopped['reason']}), as "
+                        "the job's store says; this rank got no signal itself, and anyone who "
+                        "reaches the store can write a stop"
+                    )
     finally:
         job.watchdog.on_signal = None
     return reason[0] if reason else "time is up"
