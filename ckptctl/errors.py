@@ -130,11 +130,24 @@ def redact_doc(value: Any) -> Any:
     return value
 
 
+def terminal_text(text: str, *, lines: bool = False) -> str:
+    """`text` as a terminal may show it: every character that is not printable (ESC and the
+    other C0/C1 controls, bidirectional overrides, line breaks unless `lines`) written as its
+    Python escape, `\\x1b`. A shard named `model<ESC>]0;PWNED<ESC>\\.safetensors` would
+    otherwise retitle the window, or clear the screen, of whoever reads the message."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() or (lines and c == "\n") else c.encode("unicode_escape").decode()
+        for c in text
+    )
+
+
 def print_error(message: str, *, label: str = "error") -> None:
     """Write the one error line to stderr, with the rank in front inside a multi-rank job
     (`label="warning"` for a warning from where no reporter is at hand)."""
     world = os.environ.get("WORLD_SIZE", "1")
     prefix = f"[rank {os.environ.get('RANK', '0')}] " if world not in ("", "1") else ""
     # A plain write, not Rich: the error must get out even if Rich itself is the problem.
-    sys.stderr.write(f"{prefix}{label}: {redact(message)}\n")
+    sys.stderr.write(f"{prefix}{label}: {terminal_text(redact(message))}\n")
     sys.stderr.flush()

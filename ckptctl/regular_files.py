@@ -25,9 +25,10 @@ class UnfitFile(Exception):
     """Why a file was not read. `problem` completes a sentence that starts with the path:
     "does not exist", "is a FIFO (named pipe), not a regular file", ..."""
 
-    def __init__(self, problem: str) -> None:
+    def __init__(self, problem: str, errno: int | None = None) -> None:
         super().__init__(problem)
         self.problem = problem
+        self.errno = errno  # the OSError's, when the system refused to open the file
 
 
 class FileIdentity(NamedTuple):
@@ -60,7 +61,7 @@ def open_regular(path: str | os.PathLike[str], what: str = "a file") -> tuple[in
     except FileNotFoundError:
         raise UnfitFile("does not exist") from None
     except OSError as exc:
-        raise UnfitFile(f"cannot be read ({exc.strerror or exc})") from None
+        raise UnfitFile(f"cannot be read ({exc.strerror or exc})", exc.errno) from None
     try:
         st = os.fstat(fd)
         _check_kind(st, what)  # what was opened, should the path have changed since the stat

@@ -168,11 +168,25 @@ def describe_failure(exc: BaseException, address: ServerAddress, timeout: float)
     return type(exc).__name__
 
 
+# The most values an answer may hold for its size: one per 16 bytes, plus a few thousand
+# (a checksum answer's entries take 30 bytes and more). Python spends 50-100 bytes on each
+# value it parses (`[[],[],...]` takes 20 times its bytes); bounded so, an answer takes a few
+# times its size.
+BYTES_PER_VALUE = 16
+SPARE_VALUES = 4096
+
+
 def parse_json_object(response: httpx.Response) -> dict[str, Any] | None:
-    """The body as a JSON object, or None when it is not one (garbage, HTML, a list...)."""
+    """The body as a JSON object, or None when it is not one (garbage, HTML, a list...), nests
+    deeper than the parser goes (RecursionError), or packs more values than BYTES_PER_VALUE
+    allows (counted from its commas and brackets, before anything is built)."""
+    content = response.content
+    values = content.count(b",") + content.count(b"[") + content.count(b"{")
+    if values > len(content) // BYTES_PER_VALUE + SPARE_VALUES:
+        return None
     try:
-        doc = json.loads(response.content)
-    except (ValueError, UnicodeDecodeError):
+        doc = json.loads(content)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
 

@@ -37,11 +37,18 @@ from typing import Any
 from ckptctl.bounded_http import ResponseTooLarge
 from ckptctl.defaults import API_KEY_ENV
 from ckptctl.errors import DeadlineExceeded, InvalidInput, OperationFailed
-from ckptctl.server import ServerAddress, describe_failure, make_client, one_line
+from ckptctl.server import (
+    ServerAddress,
+    describe_failure,
+    make_client,
+    one_line,
+    parse_json_object,
+)
 
 CHECKER_PATH = "/weights_checker"
 # A checksum answer lists every parameter of every rank: about 1 MB for DeepSeek-V3 on TP8.
-MAX_ANSWER_BYTES = 64 << 20
+# (The README states this cap; every other answer is capped at bounded_http's 1 MiB.)
+MAX_ANSWER_BYTES = 16 << 20
 SHOWN_NAMES = 10  # tensors named in one error line
 
 # The actions ckptctl uses, as `offers` reports them.
@@ -153,11 +160,7 @@ class Checker:
                 f"{self.where} refused the API key on {CHECKER_PATH} (HTTP {status}): pass "
                 f"--api-key or set {API_KEY_ENV} (SGLang checks --admin-api-key first)"
             )
-        try:
-            doc = json.loads(response.content)
-        except (ValueError, UnicodeDecodeError):
-            doc = None
-        return Answer(status, doc if isinstance(doc, dict) else None)
+        return Answer(status, parse_json_object(response))
 
     def require(self, action: str, **fields: Any) -> Answer:
         """Ask; anything but success is a failure that quotes the server."""

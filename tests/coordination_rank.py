@@ -97,7 +97,8 @@ def main(scenario: str) -> None:
         watchdog.stop()
         return
     if scenario == "serve":
-        # save-metas' serving phase: the test signals rank 1 only; every rank must stop cleanly.
+        # save-metas' serving phase: the test signals one rank, or every rank.
+        from ckptctl.pipeline.coordination import StoppedByPeer
         from ckptctl.pipeline.job import Job
         from ckptctl.pipeline.stages import serve
         from ckptctl.progress import Reporter
@@ -111,7 +112,12 @@ def main(scenario: str) -> None:
             say(f"rank {launch.rank} pid {os.getpid()} serving")
 
         threading.Thread(target=announce, daemon=True).start()
-        ended = serve(job, None)
+        try:
+            ended = serve(job, None)
+        except StoppedByPeer as exc:  # (the CLI prints it as an error line, exit 130)
+            say(f"rank {launch.rank}: interrupted: {exc}")
+            watchdog.stop()
+            sys.exit(exc.exit_code)
         say(f"rank {launch.rank}: {ended}")
         watchdog.stop()
         return

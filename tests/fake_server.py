@@ -90,7 +90,7 @@ class ServerDied(Exception):
 
 # (zmq_handles, request body) -> None on success, or raise to fail the update with that message.
 UpdateHandler = Callable[[dict[str, str], dict[str, Any]], None]
-# (parsed JSON body or None) -> (HTTP status, JSON document): a test-control route.
+# (parsed JSON body or None) -> (HTTP status, JSON document or raw bytes): a test-control route.
 RouteHandler = Callable[[Any], tuple[int, Any]]
 
 
@@ -265,7 +265,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(400, {"error": "body is not JSON"})
             return True
         status, answer = route(doc)
-        self._send_json(status, answer)
+        if isinstance(answer, bytes):  # a body as it is (a hostile one, say)
+            self._send_raw(status, answer)
+        else:
+            self._send_json(status, answer)
         return True
 
     def _record(self, method: str, body: bytes) -> None:

@@ -107,21 +107,43 @@ def test_barrier_waits_for_a_late_rank_without_starving_heartbeats() -> None:
     assert "stopped responding" not in r.stderr
 
 
-def test_a_signal_to_one_serving_rank_stops_them_all_cleanly() -> None:
+def _serving_pids(proc: subprocess.Popen[str]) -> dict[int, int]:
     import re
-    import signal as signals
 
     pids: dict[int, int] = {}
+    assert proc.stdout is not None
+    while len(pids) < 2:  # each rank says so once serve() handles its signals
+        line = proc.stdout.readline()
+        assert line, "the job ended before serving"
+        m = re.match(r"rank (\d) pid (\d+) serving", line)
+        if m:
+            pids[int(m.group(1))] = int(m.group(2))
+    return pids
+
+
+def test_a_signal_to_one_serving_rank_stops_them_all() -> None:
+    """The signalled rank ends with success; the other reads the stop in the store, where
+    anyone could have written it, and ends as interrupted (130), never with success."""
+    import signal as signals
+
     with torchrun_job(SCRIPT, "serve") as proc:
-        assert proc.stdout is not None
-        while len(pids) < 2:  # each rank says so once serve() handles its signals
-            line = proc.stdout.readline()
-            assert line, "the job ended before serving"
-            m = re.match(r"rank (\d) pid (\d+) serving", line)
-            if m:
-                pids[int(m.group(1))] = int(m.group(2))
+        pids = _serving_pids(proc)
         os.kill(pids[1], signals.SIGTERM)
         out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    assert proc.returncode != 0, err
     assert "rank 1: stopped by SIGTERM" in out
-    assert "rank 0: stopped by SIGTERM (on rank 1)" in out
+    assert "rank 0: interrupted: rank 1 stopped the job (stopped by SIGTERM)" in out
+
+
+def test_a_signal_to_every_serving_rank_ends_them_with_success() -> None:
+    """What torchrun does with its own SIGTERM (and a terminal with Ctrl-C): every rank gets
+    it, and each ends on its own signal, even one that read another's stop first."""
+    import signal as signals
+
+    with torchrun_job(SCRIPT, "serve") as proc:
+        pids = _serving_pids(proc)
+        for pid in pids.values():
+            os.kill(pid, signals.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "rank 0: stopped by SIGTERM" in out and "rank 1: stopped by SIGTERM" in out

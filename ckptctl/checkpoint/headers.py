@@ -13,6 +13,7 @@ is wrong and what to do.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -22,7 +23,7 @@ from operator import attrgetter, lt
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
-from ckptctl.errors import InvalidInput
+from ckptctl.errors import InvalidInput, OperationFailed
 from ckptctl.regular_files import FileIdentity, UnfitFile, open_regular, read_regular
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -158,18 +159,25 @@ def _parse_entry(path: Path, name: str, entry: object) -> tuple[str, tuple[int, 
     return dtype, tuple(shape), begin, end
 
 
-def _check_empty_shape(path: Path, name: str, shape: list[int]) -> None:
-    """Every running product of the dimensions fits torch's sizes (int64)."""
+def shape_fits(shape: Iterable[int]) -> bool:
+    """Every running product of the dimensions (a 0 counted as 1) fits torch's sizes (int64):
+    a 0 makes the tensor empty, but torch still multiplies the others."""
     product = 1
     for d in shape:
         product *= d or 1
         if product > MAX_ELEMENTS:
-            raise _fail(
-                f"{path}: tensor {name!r}",
-                f"shape {shape} has dimensions beyond {MAX_ELEMENTS} elements, which no tensor "
-                "can have",
-                CORRUPT,
-            )
+            return False
+    return True
+
+
+def _check_empty_shape(path: Path, name: str, shape: list[int]) -> None:
+    if not shape_fits(shape):
+        raise _fail(
+            f"{path}: tensor {name!r}",
+            f"shape {shape} has dimensions beyond {MAX_ELEMENTS} elements, which no tensor "
+            "can have",
+            CORRUPT,
+        )
 
 
 def _is_size(value: object) -> bool:
@@ -200,6 +208,8 @@ def read_file_header(root: Path, file: str) -> tuple[list[TensorInfo], FileIdent
         # A FIFO or device would block or lie about its size: never read one.
         fd, st = open_regular(path, "a .safetensors file")
     except UnfitFile as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise out_of_descriptors(path) from None
         raise _fail(path, exc.problem, "replace it with a real .safetensors file") from None
     try:
         size = st.st_size
@@ -424,6 +434,18 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     )
 
 
+def out_of_descriptors(path: Path) -> OperationFailed:
+    """Opening a file failed because this process (or the system) has too many files open:
+    nothing is wrong with the file, and saying it changed would send the user the wrong way."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return OperationFailed(
+        f"{path}: cannot be opened: too many open files (this process may have {soft} open at "
+        "once); raise the limit (`ulimit -n`) and rerun"
+    )
+
+
 def open_planned(checkpoint: Checkpoint, file: str) -> int:
     """A read-only fd of `file`, refused (exit 3) unless it is still the file that was planned:
     the same inode, size and mtime as when its header was read. Reading a file cut short
@@ -436,6 +458,8 @@ def open_planned(checkpoint: Checkpoint, file: str) -> int:
     try:
         fd, st = open_regular(path, "a .safetensors file")
     except UnfitFile as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise out_of_descriptors(path) from None
         raise _fail(path, exc.problem, action) from None
     planned = checkpoint.file_ids.get(file)
     now = FileIdentity.of(st)

@@ -96,12 +96,40 @@ def _map_file(checkpoint: Checkpoint, file: str, needed: int) -> mmap.mmap:
                 f"{path}: is {size} bytes, but its header needs {needed}: the file changed "
                 "since the checkpoint was planned; wait for the writer to finish and rerun"
             )
-        # ACCESS_COPY = MAP_PRIVATE: writable for torch, but writes never reach the file.
-        return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        return _map_private(fd, size)
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot be mapped ({exc.strerror or exc})") from None
     finally:
         os.close(fd)
+
+
+MAP_FIXED = 0x10  # Linux on x86-64, arm64 and ppc64le alike
+
+
+def _map_private(fd: int, size: int) -> mmap.mmap:
+    """A private (MAP_PRIVATE: writable for torch, writes never reach the file) mapping of the
+    first `size` bytes of `fd` that keeps no file descriptor open.
+
+    Python's mmap keeps a dup of the fd for the mapping's life: one per shard, and a checkpoint
+    of more shards than `ulimit -n` ran out of descriptors. So Python maps anonymous memory of
+    that size (it owns the range and unmaps it when the last view is gone), and the file is
+    mapped over it in place (MAP_FIXED); the caller closes `fd`.
+    """
+    import ctypes
+
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE, prot=prot)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+    ]  # fmt: skip
+    if libc.mmap(address, size, prot, mmap.MAP_PRIVATE | MAP_FIXED, fd, 0) != address:
+        err = ctypes.get_errno()
+        region.close()
+        raise OSError(err, os.strerror(err))
+    return region
 
 
 def load_tensors(checkpoint: Checkpoint, tensors: Iterable[TensorInfo]) -> dict[str, torch.Tensor]:

@@ -14,7 +14,14 @@ from typing import Any, NoReturn, TypeVar
 import typer
 
 from ckptctl import results
-from ckptctl.errors import CkptctlError, ExitCode, Interrupted, print_error, redact
+from ckptctl.errors import (
+    CkptctlError,
+    ExitCode,
+    Interrupted,
+    print_error,
+    redact,
+    terminal_text,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,7 +71,7 @@ def handle_errors(func: F) -> F:
         except CkptctlError as exc:
             if debug_enabled():
                 if exc.debug_traceback:
-                    sys.stderr.write(redact(exc.debug_traceback))
+                    sys.stderr.write(terminal_text(redact(exc.debug_traceback), lines=True))
                 _print_traceback()
             _fail(exc.exit_code, str(exc))
         except KeyboardInterrupt:
@@ -80,7 +87,7 @@ def handle_errors(func: F) -> F:
 
 def _print_traceback() -> None:
     """The traceback (CKPTCTL_DEBUG=1), without secrets: it may hold a URL with a password."""
-    sys.stderr.write(redact(traceback.format_exc()))
+    sys.stderr.write(terminal_text(redact(traceback.format_exc()), lines=True))
 
 
 def _fail(code: int, message: str) -> NoReturn:

@@ -10,13 +10,37 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderableType
+from rich.segment import Segment
+from rich.text import Text
 
 from ckptctl import results
-from ckptctl.errors import redact
+from ckptctl.errors import redact, terminal_text
 from ckptctl.launch import LaunchInfo, launch_info
+
+
+class TerminalConsole(Console):
+    """A Rich console whose text never carries a terminal's control characters: names of files
+    and tensors, paths and server words reach tables, logs and the live view as text (an ESC
+    shows as `\\x1b`). Rich's own styling and cursor moves are separate segments, kept."""
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        # Before the layout, so that a table measures what it will show.
+        return super().render_str(terminal_text(text, lines=True), **kwargs)
+
+    def render(
+        self, renderable: RenderableType, options: ConsoleOptions | None = None
+    ) -> Iterable[Segment]:
+        # Whatever reached Rich as a Text object, too.
+        for segment in super().render(renderable, options):
+            text = segment.text
+            if segment.control or text.isprintable():
+                yield segment
+            else:
+                yield Segment(terminal_text(text, lines=True), segment.style)
 
 
 class Output:
@@ -28,8 +52,8 @@ class Output:
         self.launch = launch or launch_info()
         # markup=False: paths, tensor names and server messages are text, never Rich markup
         # (a checkpoint in "runs[/x]" must not crash a table). Styled output uses Text objects.
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
-        self.out = Console(highlight=False, soft_wrap=True, markup=False)
+        self.err = TerminalConsole(stderr=True, highlight=False, soft_wrap=True, markup=False)
+        self.out = TerminalConsole(highlight=False, soft_wrap=True, markup=False)
         # Live displays only where a person is watching, and only once per job.
         self.interactive = self.err.is_terminal and self.launch.is_primary and not quiet
         # With --json, rank 0 owes exactly one document on stdout, success or not.

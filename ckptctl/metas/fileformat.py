@@ -30,9 +30,11 @@ import collections
 import contextlib
 import hashlib
 import json
+import math
 import os
 import pickletools
 import re
+import reprlib
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptctl import __version__
+from ckptctl.checkpoint.headers import MAX_ELEMENTS, shape_fits
 from ckptctl.errors import InvalidInput, OperationFailed
 from ckptctl.regular_files import UnfitFile, read_regular
 
@@ -358,7 +361,7 @@ def validate_metas(data: Any, *, source: str) -> dict[int, MemoryBufferMetaList]
             isinstance(key, str) and _RANK_KEY.fullmatch(key)
         ):
             raise InvalidInput(f"{source}: {key!r} is not an owner rank")
-    _check_dtype_names(data, source)
+    _check_plain(data, source)
     try:
         text = json.dumps(data, ensure_ascii=True)
         metas = TypeAdapter(dict[int, MemoryBufferMetaList]).validate_json(text, strict=True)
@@ -379,19 +382,44 @@ def _known_dtype_names() -> frozenset[str]:
     return frozenset(str(v) for v in vars(torch).values() if isinstance(v, torch.dtype))
 
 
-def _check_dtype_names(data: dict[Any, Any], source: str) -> None:
-    """checkpoint-engine resolves a dtype with getattr(torch, name): admit torch's dtypes only."""
+def _check_plain(data: dict[Any, Any], source: str) -> None:
+    """What checkpoint-engine's models would take but must not get: a dtype that is not one of
+    torch's (it resolves a name with getattr(torch, name)), and numbers beyond torch's int64
+    sizes, which its C++ code wraps (a shape of three 2^62 dimensions counted 0 bytes) or
+    refuses with an overflow. The bounds are the safetensors header parser's."""
     known = _known_dtype_names()
     for rank, entry in data.items():
         buffers = entry.get("memory_buffer_metas_list") if isinstance(entry, dict) else None
-        for buffer in buffers if isinstance(buffers, list) else ():
-            params = buffer.get("metas") if isinstance(buffer, dict) else None
+        for i, buffer in enumerate(buffers if isinstance(buffers, list) else ()):
+            where = f"{source}: rank {rank} buffer {i}"
+            if not isinstance(buffer, dict):
+                continue
+            for key in ("ptr", "size"):
+                _check_int64(buffer.get(key), f"{where}: {key}")
+            params = buffer.get("metas")
             for param in params if isinstance(params, list) else ():
-                dtype = param.get("dtype") if isinstance(param, dict) else None
+                if not isinstance(param, dict):
+                    continue
+                name, dtype, shape = param.get("name"), param.get("dtype"), param.get("shape")
                 if isinstance(dtype, str) and dtype not in known:
                     raise InvalidInput(
-                        f"{source}: rank {rank}: {param.get('name')!r} has unknown dtype {dtype!r}"
+                        f"{source}: rank {rank}: {name!r} has unknown dtype {dtype!r}"
                     )
+                _check_int64(param.get("aligned_size"), f"{where}: {name!r}: aligned_size")
+                if (
+                    isinstance(shape, list)
+                    and all(type(d) is int for d in shape)
+                    and not shape_fits(abs(d) for d in shape)
+                ):
+                    raise InvalidInput(
+                        f"{where}: {name!r} has shape {reprlib.repr(shape)}, beyond "
+                        f"{MAX_ELEMENTS} elements, which no tensor can have"
+                    )
+
+
+def _check_int64(value: Any, what: str) -> None:
+    if type(value) is int and abs(value) > MAX_ELEMENTS:
+        raise InvalidInput(f"{what} {value} is beyond {MAX_ELEMENTS}, which no size or address is")
 
 
 def _check_consistency(metas: dict[int, MemoryBufferMetaList], source: str) -> None:
@@ -404,7 +432,14 @@ def _check_consistency(metas: dict[int, MemoryBufferMetaList], source: str) -> N
             for p in buffer.metas:
                 if any(d < 0 for d in p.shape):
                     raise InvalidInput(f"{where}: {p.name!r} has a negative dimension")
-                if p.aligned_size < p.dtype.itemsize * p.shape.numel():
+                # (math.prod: torch's numel wraps past int64; the bounds above keep it exact)
+                nbytes = p.dtype.itemsize * math.prod(p.shape)
+                if nbytes > MAX_ELEMENTS:
+                    raise InvalidInput(
+                        f"{where}: {p.name!r} needs {nbytes} bytes, beyond {MAX_ELEMENTS}, which "
+                        "no tensor can have"
+                    )
+                if p.aligned_size < nbytes:
                     raise InvalidInput(f"{where}: {p.name!r} does not fit its aligned_size")
                 used += p.aligned_size
             if used > buffer.size:

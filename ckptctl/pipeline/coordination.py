@@ -56,24 +56,33 @@ def _store_prefix() -> str:
 FAILURE_CODES = frozenset({ExitCode.FAILED, ExitCode.INVALID_INPUT, ExitCode.TIMEOUT, 130})
 
 
-def read_abort(raw: bytes | str) -> dict[str, Any]:
-    """An abort document as read from the store, which anyone who reaches its port can write:
-    trusted for no more than "the job failed". A code that is not a failure code becomes 1 (a
-    forged 0 once ended `update` with exit 0 and `"ok": true`), the rank an int, the message
-    one clean line (no terminal escapes reach the operator's screen)."""
+def _notice(raw: bytes | str, text_field: str, what: str) -> tuple[dict[str, Any], Any, str]:
+    """(document, rank, text) of a notice read from the store: the rank an int (else "?"),
+    the text one clean line (no terminal escapes reach the operator's screen)."""
     from ckptctl.server import one_line
 
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         doc = None
     if not isinstance(doc, dict):
-        doc = {"message": "an unreadable abort notice in the job's store"}
-    code, rank, message = doc.get("code"), doc.get("rank"), doc.get("message")
+        doc = {text_field: f"an unreadable {what} notice in the job's store"}
+    rank, text = doc.get("rank"), doc.get(text_field)
+    rank = rank if type(rank) is int and rank >= 0 else "?"
+    return doc, rank, one_line(text if isinstance(text, str) else "", 2000) or "no reason given"
+
+
+def read_abort(raw: bytes | str) -> dict[str, Any]:
+    """An abort document as read from the store, which anyone who reaches its port can write:
+    trusted for no more than "the job failed". A code that is not a failure code becomes 1 (a
+    forged 0 once ended `update` with exit 0 and `"ok": true`), the rank an int, the message
+    one clean line."""
+    doc, rank, message = _notice(raw, "message", "abort")
+    code = doc.get("code")
     return {
         "code": code if type(code) is int and code in FAILURE_CODES else int(ExitCode.FAILED),
-        "rank": rank if type(rank) is int and rank >= 0 else "?",
-        "message": one_line(message if isinstance(message, str) else "", 2000) or "no reason given",
+        "rank": rank,
+        "message": message,
         # Given up on request (a stop, a client's cancel), not because a rank failed.
         "request": doc.get("request") is True,
     }
@@ -94,6 +103,18 @@ def abort_error(abort: dict[str, Any]) -> CkptctlError:
         ExitCode.INTERRUPTED: Interrupted,
     }
     return kinds.get(abort["code"], OperationFailed)(describe_abort(abort))
+
+
+def read_stop(raw: bytes | str, world_size: int) -> dict[str, Any]:
+    """A stop notice as read from the store: as forgeable as an abort (see `Coordinator.stopped`),
+    its rank one of the job's (else "?") and its reason one clean line."""
+    _, rank, reason = _notice(raw, "reason", "stop")
+    return {"rank": rank if rank != "?" and rank < world_size else "?", "reason": reason}
+
+
+class StoppedByPeer(Interrupted):
+    """This rank read a stop from the job's store, and got no signal itself: it ends as
+    interrupted (130), never as a success, and tells no one (every rank reads the stop)."""
 
 
 class Coordinator:
@@ -215,15 +236,18 @@ class Coordinator:
         raw = self.store.get("abort")
         return read_abort(raw) if raw else None
 
-    # -- a clean, job-wide stop (serving ends) ------------------------------------------------------
+    # -- a job-wide stop (serving ends) ----------------------------------------------------------
+    # A signal to one rank stops every rank: that rank publishes the stop, the others read it.
+    # Whoever reaches the store's port can write one too, and nothing in the store tells the two
+    # apart. So only a rank's own signal (or its own --sleep-time) ends it with success; a rank
+    # that only read the stop ends with 130 (stages.serve), its reason one clean line.
     def publish_stop(self, reason: str) -> None:
         self.store.compare_set("stop", "", json.dumps({"reason": reason, "rank": self.launch.rank}))
 
     def stopped(self) -> dict[str, Any] | None:
         if not self.store.check(["stop"]):
             return None
-        raw = self.store.get("stop")
-        return json.loads(raw) if raw else None
+        return read_stop(self.store.get("stop"), self.launch.world_size)
 
     # -- heartbeats --------------------------------------------------------------------------------
     def beat(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from ckptctl.errors import CkptctlError, ExitCode, OperationFailed
 from ckptctl.launch import LaunchInfo, launch_info
-from ckptctl.pipeline.coordination import PAST_DEADLINE_S, Coordinator, Watchdog
+from ckptctl.pipeline.coordination import PAST_DEADLINE_S, Coordinator, StoppedByPeer, Watchdog
 from ckptctl.pipeline.node_progress import NodeProgress
 from ckptctl.progress import Reporter
 
@@ -149,7 +149,8 @@ def run_job(
         try:
             return body(Job(launch, coordinator, watchdog, reporter))
         except CkptctlError as exc:
-            if coordinator is not None:
+            # (A stop every rank has read needs no abort: the rank that was signalled ends 0.)
+            if coordinator is not None and not isinstance(exc, StoppedByPeer):
                 coordinator.publish_abort(exc.exit_code, str(exc))
             raise
         except Exception as exc:

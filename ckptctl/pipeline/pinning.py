@@ -163,16 +163,13 @@ def fill(
     and per run the Python work is a few slices, so the reading leaves the interpreter to the
     rest of the rank (the ParameterServer's start, `import torch`). `fresh`: the targets are
     untouched anonymous memory, populated run by run just before it is read into (see
-    `_populate`). `drop_cache`: then drop what was read from the page cache (`drop_cached`).
+    `_populate`). `drop_cache`: drop what was read of each file from the page cache once its
+    last run is in (`_OpenFiles`).
     """
     runs = read_runs(buckets) if runs is None else runs
     populate = _Populate(targets) if fresh else None
-    fds: dict[str, int] = {}
+    files = _OpenFiles(checkpoint, runs, drop_cache=drop_cache)
     try:
-        for name in dict.fromkeys(r.file for r in runs):
-            # Still the file that was planned (else exit 3); a cut during the reads is caught
-            # below as a short read.
-            fds[name] = open_planned(checkpoint, name)
         taken = itertools.count()  # next() is atomic: each run is read by exactly one thread
         failed: list[BaseException] = []
 
@@ -185,7 +182,11 @@ def fill(
                     target = targets[run.bucket]
                     if populate is not None:
                         populate(run)
-                    _read_run(fds[run.file], [target[a : a + n] for a, n in run.pieces], run.pos)
+                    fd = files.acquire(run.file)
+                    try:
+                        _read_run(fd, [target[a : a + n] for a, n in run.pieces], run.pos)
+                    finally:
+                        files.release(run.file)
                     if on_read is not None:
                         on_read(run.nbytes)
             except _Truncated as exc:
@@ -203,27 +204,60 @@ def fill(
             w.join()
         if failed:
             raise failed[0]
-        if drop_cache:
-            drop_cached(fds, runs)
     except OSError as exc:
         raise InvalidInput(f"cannot read the checkpoint: {exc}") from None
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        files.close()
 
 
-def drop_cached(fds: dict[str, int], runs: list[ReadRun]) -> None:
-    """posix_fadvise(DONTNEED) over the span of each file that `runs` read: those bytes are in
-    the buffers now, and kept in the page cache too they would take the node's memory twice.
-    Only this rank's span: another rank of the node may still be reading its own. Advice, not
-    a guarantee: a filesystem that keeps its pages (tmpfs) keeps them."""
-    spans: dict[str, tuple[int, int]] = {}
-    for run in runs:
-        lo, hi = spans.get(run.file, (run.pos, run.pos + run.nbytes))
-        spans[run.file] = (min(lo, run.pos), max(hi, run.pos + run.nbytes))
-    for name, (lo, hi) in spans.items():
-        with contextlib.suppress(OSError):  # (a filesystem without it)
-            os.posix_fadvise(fds[name], lo, hi - lo, os.POSIX_FADV_DONTNEED)
+class _OpenFiles:
+    """The shards' fds, each opened when its first run is read and closed after its last: the
+    runs go in file order, so about one file per reader thread is open at a time (a checkpoint
+    of thousands of shards opened all at once ran out of file descriptors).
+
+    drop_cache: before a file is closed, posix_fadvise(DONTNEED) over the span of it that the
+    runs read: those bytes are in the buffers now, and kept in the page cache too they would
+    take the node's memory twice. Only this rank's span: another rank of the node may still be
+    reading its own. Advice, not a guarantee: a filesystem that keeps its pages (tmpfs) keeps
+    them."""
+
+    def __init__(self, checkpoint: Checkpoint, runs: list[ReadRun], drop_cache: bool) -> None:
+        self._checkpoint = checkpoint
+        self._left: dict[str, int] = {}
+        self._spans: dict[str, tuple[int, int]] = {}
+        for run in runs:
+            self._left[run.file] = self._left.get(run.file, 0) + 1
+            lo, hi = self._spans.get(run.file, (run.pos, run.pos + run.nbytes))
+            self._spans[run.file] = (min(lo, run.pos), max(hi, run.pos + run.nbytes))
+        self._drop_cache = drop_cache
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, file: str) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                # Still the file that was planned (else exit 3); a cut during the reads is
+                # caught as a short read.
+                fd = self._fds[file] = open_planned(self._checkpoint, file)
+            return fd
+
+    def release(self, file: str) -> None:
+        with self._lock:
+            self._left[file] -= 1
+            if self._left[file] == 0:
+                fd = self._fds.pop(file)
+                if self._drop_cache:
+                    lo, hi = self._spans[file]
+                    with contextlib.suppress(OSError):  # (a filesystem without it)
+                        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in as if written, in one call
@@ -681,7 +715,7 @@ class ShareReader:
         plan, rank: the job's plan and this rank's place in it: then every rank's metas are
         also worked out in the background, for `ParameterServerSession.gather_planned`.
         on_read(n): called with the bytes of every read, from the reading threads (progress).
-        drop_page_cache: drop what was read from the page cache afterwards (`drop_cached`)."""
+        drop_page_cache: drop what was read from the page cache afterwards (`_OpenFiles`)."""
         self.buckets = layout(tensors)
         self._drop_page_cache = drop_page_cache
         self._pool = pool

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
-from ckptctl.pipeline.coordination import PAST_DEADLINE_S, abort_error
+from ckptctl.pipeline.coordination import PAST_DEADLINE_S, StoppedByPeer, abort_error
 from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
 from ckptctl.progress import Reporter, format_bytes
@@ -208,7 +208,7 @@ def prefetch_share(
     starts (into the pinned buffers of `pool` when a long-lived job keeps them); with `plan`,
     every rank's metas are worked out there too, for gather_metas. The bytes it reads count
     towards the "register" stage that takes them over (`reporter`). drop_page_cache: the
-    share's file pages are dropped from the page cache once read (pinning.drop_cached)."""
+    share's file pages are dropped from the page cache once read (pinning._OpenFiles)."""
     if mode != "direct":
         return None
     from ckptctl.pipeline.pinning import ShareReader
@@ -577,11 +577,18 @@ def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, wa
         st.detail = status
 
 
+# How long a rank that reads a stop waits for a signal of its own: torchrun passes its SIGTERM
+# to every rank, and Ctrl-C reaches every process of the terminal, nearly at once.
+OWN_SIGNAL_GRACE_S = 1.0
+
+
 def serve(job: Job, seconds: float | None) -> str:
     """Keep the registered weights up for joiners: `seconds`, or until SIGTERM/SIGINT.
 
-    A signal to any one rank stops them all, cleanly: the rank that got it says so in the
-    job's store, and the others see it there (rather than taking its silence for a crash).
+    A signal to any one rank stops them all: the rank that got it says so in the job's store,
+    and the others see it there (rather than taking its silence for a crash). Anyone who
+    reaches the store can write that stop too, so a rank ends with success only on its own
+    signal or time; one that only read the stop ends as interrupted (StoppedByPeer, 130).
     """
     reason: list[str] = []
 
@@ -600,7 +607,15 @@ def serve(job: Job, seconds: float | None) -> str:
             time.sleep(min(0.2, max(end - time.monotonic(), 0)))
             stopped = job.coordinator.stopped() if job.coordinator is not None else None
             if stopped is not None and not reason:
-                reason.append(f"{stopped['reason']} (on rank {stopped['rank']})")
+                grace = time.monotonic() + OWN_SIGNAL_GRACE_S
+                while not reason and time.monotonic() < grace:
+                    time.sleep(0.05)
+                if not reason:
+                    raise StoppedByPeer(
+                        f"rank {stopped['rank']} stopped the job ({stopped['reason']}), as "
+                        "the job's store says; this rank got no signal itself, and anyone who "
+                        "reaches the store can write a stop"
+                    )
     finally:
         job.watchdog.on_signal = None
     return reason[0] if reason else "time is up"
