@@ -34,7 +34,7 @@ import torch
 from ckpt_factory import write_real_checkpoint
 from conftest import ckptctl_script, run_script, wait_for_path, wait_until
 from fake_server import reserved_port
-from test_gpu_serve import start_serve_job
+from test_gpu_serve import _gpu_memory_used_mib, start_serve_job
 from test_gpu_update import _kill_tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_serial, pytest.mark.slow]
@@ -105,7 +105,7 @@ def test_serve_survives_each_fault_and_the_server_ends_whole(
     figures: dict[str, Any] = {}
 
     def record(fault: str, **fields: Any) -> None:
-        figures[fault] = fields
+        figures[fault] = {**fields, "gpu_memory_used_mib": _gpu_memory_used_mib()}
         if RESULTS:
             Path(RESULTS).mkdir(parents=True, exist_ok=True)
             (Path(RESULTS) / "serve-faults.json").write_text(json.dumps(figures, indent=1))
@@ -169,11 +169,11 @@ def test_serve_survives_each_fault_and_the_server_ends_whole(
         rx.config(bucket_delay_s=0.4, verify_against=str(a))
         running = push_in_background(b, "--weight-version", "b2")
         mid_transfer()
+        rx.config(bucket_delay_s=0)  # (the update under way keeps its own; the restore: none)
         t0 = time.monotonic()
         running.send_signal(signal.SIGINT)
         out, err = running.communicate(timeout=120)
         secs = round(time.monotonic() - t0, 3)
-        rx.config(bucket_delay_s=0)
         assert running.returncode == 130, err
         doc = json.loads(out)
         assert doc["server_weights"] == "whole", doc
