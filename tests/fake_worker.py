@@ -12,8 +12,9 @@ it a refusal (HTTP 400). What a test can make the server do while a transfer run
 - `bucket_delay_s`: each bucket takes this long to load (a push slow enough to interrupt);
 - `fail_at_bucket=n`: the n-th bucket (from 1) of the next update raises, and the worker
   answers its traceback (once: the update after it, a restore, goes through);
-- `hold_at_bucket=n`: the n-th bucket of the next update is not answered until `release()` (a
-  load that takes longer than a cancel waits for: the worker is left behind);
+- `hold_at_bucket=n`: the n-th bucket of the next update (of every update, with
+  `hold_every_update`) is not answered until `release()` (a load that takes longer than a
+  cancel waits for: the worker is left behind);
 - `die()`: every worker stops answering and closes its socket, and the HTTP request's
   connection is dropped without an answer: the server process died mid-push.
 Messages are unpickled here, as checkpoint-engine's worker does: they come from our own PS in
@@ -47,6 +48,7 @@ class ZmqWorkers:
     updates: int = 0
     failing: bool = False
     hold_at_bucket: int | None = None
+    hold_every_update: bool = False
     holding: threading.Event = field(default_factory=threading.Event)  # a worker is held
     _released: threading.Event = field(default_factory=threading.Event)
 
@@ -122,7 +124,8 @@ class ZmqWorkers:
                     buckets.append([])
                     continue
                 if self.hold_at_bucket is not None and len(buckets) + 1 == self.hold_at_bucket:
-                    self.hold_at_bucket = None  # once: the updates after it go through
+                    if not self.hold_every_update:
+                        self.hold_at_bucket = None  # once: the updates after it go through
                     self.holding.set()
                     while not self._released.wait(0.01):
                         if self._dead.is_set():

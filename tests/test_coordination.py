@@ -147,3 +147,25 @@ def test_a_signal_to_every_serving_rank_ends_them_with_success() -> None:
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "rank 0: stopped by SIGTERM" in out and "rank 1: stopped by SIGTERM" in out
+
+
+def test_the_watchdog_ends_a_rank_whose_stderr_is_a_closed_pipe() -> None:
+    """Its error line cannot be written (EPIPE): the rank still ends, with the right code,
+    instead of leaving the watchdog's thread dead and the rank unbounded."""
+    import sys
+
+    code = (
+        "import time\n"
+        "from ckptctl.launch import LaunchInfo\n"
+        "from ckptctl.pipeline.coordination import Watchdog\n"
+        "launch = LaunchInfo(rank=0, world_size=1, local_rank=0, local_world_size=1,"
+        " under_torchrun=False)\n"
+        "Watchdog(launch, None, timeout_s=0.5).start()\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    assert proc.stderr is not None
+    proc.stderr.close()  # whatever it writes there now fails with EPIPE
+    assert proc.wait(timeout=120) == 4

@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -292,3 +293,68 @@ def test_rollback_pushes_the_previous_whole_checkpoint_unless_it_changed(
         assert site.workers.updates == updates  # nothing was sent
         assert site.behaviour.weight_version == "v3"
         stop(job, sock)
+
+
+def _rank_zero(torchrun_pid: int) -> int:
+    """Rank 0 of a torchrun job: the one of its agent's children whose RANK is 0."""
+    with open(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children") as fh:
+        children = [int(p) for p in fh.read().split()]
+    for pid in children:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            if b"RANK=0" in fh.read().split(b"\0"):
+                return pid
+    raise AssertionError(f"no rank 0 among {children}")
+
+
+def test_a_second_sigterm_ends_the_job_at_once(short_tmp: Path) -> None:
+    """Kubernetes sends SIGTERM, then waits: the first one stops the job cleanly (cancelling
+    the push under way), a second one ends it on the spot, whatever it was still doing."""
+    with serve_job(short_tmp) as (site, job, sock):
+        assert push(sock)[0] == 0
+        # The push under way and the restore after it cannot end on their own: the job stays
+        # busy until the stop's grace (STOP_GRACE_S) runs out, unless a second signal comes.
+        site.workers.hold_at_bucket, site.workers.hold_every_update = 2, True
+        running = push_in_background(sock)
+        wait_until(site.workers.holding.is_set, what="the server's worker to hold a bucket")
+        rank = _rank_zero(job.pid)
+        os.kill(rank, signal.SIGTERM)
+        # (Two signals sent at once would be one: the second is sent once the first is seen.)
+        wait_until(lambda: status(sock)["state"] == "stopping", what="the job to be stopping")
+        os.kill(rank, signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
+        assert job.returncode != 0
+        assert "interrupted by SIGTERM" in err, err[-3000:]
+        running.communicate(timeout=60)
+
+
+def test_an_update_says_what_it_waits_for_every_ten_seconds(tmp_path: Path) -> None:
+    """Piped, the wait for a server that is down was silent until the error; now a line every
+    Reporter.TICK_S (10 s) says what it waits for and what it last heard."""
+    from conftest import CPU_PS_RANK
+    from fake_server import reserved_port
+
+    with reserved_port() as held:
+        endpoint = f"http://127.0.0.1:{held.getsockname()[1]}"
+        r = subprocess.run(
+            [sys.executable, CPU_PS_RANK, "update", "--checkpoint-path", str(TINY),
+             "--inference-parallel-size", "1", "--endpoint", endpoint, "--timeout", "13"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert r.returncode == 4, r.stderr
+    assert f"still waiting for {endpoint}: connection refused, 1" in r.stderr, r.stderr
+    assert f"{endpoint} did not answer within --timeout" in r.stderr
+
+
+def test_stop_ends_the_job_even_when_the_push_under_way_cannot_end(short_tmp: Path) -> None:
+    """The server's workers hold every update: neither the cancelled push nor the restore after
+    it ever end. The job still ends, STOP_GRACE_S after the stop, and says why."""
+    with serve_job(short_tmp) as (site, job, sock):
+        assert push(sock)[0] == 0
+        site.workers.hold_at_bucket, site.workers.hold_every_update = 2, True
+        running = push_in_background(sock)
+        wait_until(site.workers.holding.is_set, what="the server's worker to hold a bucket")
+        assert run_script("stop", "--control-socket", sock, timeout=30).returncode == 0
+        _, err = job.communicate(timeout=120)  # (--push-timeout is 300)
+        assert job.returncode == 1, err[-3000:]
+        assert "did not end within 8s: ending the job" in err, err[-3000:]
+        running.communicate(timeout=60)

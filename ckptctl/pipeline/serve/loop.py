@@ -260,11 +260,15 @@ class ServeLoop:
     def handle_status(self, _doc: Any) -> tuple[int, dict[str, Any]]:
         with self._lock:
             queued = len(self._queue)
+            stopping = self._stop_reason is not None
         extra = {
             k: self.executor_state.get(k)
             for k in ("registered", "pinned_pool_bytes", "served_tensors")
         }
-        return 200, self.state.snapshot(queued, extra, self.job.reporter.running_stages())
+        doc = self.state.snapshot(queued, extra, self.job.reporter.running_stages())
+        if stopping:  # asked to stop, still ending the command under way
+            doc["state"] = "stopping"
+        return 200, doc
 
     def handle_stop(self, _doc: Any) -> tuple[int, dict[str, Any]]:
         self.request_stop("stopped by a client (ckptctl stop)")
