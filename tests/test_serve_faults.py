@@ -239,6 +239,13 @@ def test_stop_cancels_a_push_under_way_and_the_job_ends(short_tmp: Path) -> None
         doc = json.loads(out)
         assert doc["error"].startswith("stopped (stopped by a client"), doc["error"]
         assert doc["server_weights"] == "whole"  # restored: the server itself was fine
+        # Both workers of the push get checkpoint-engine's exception and raise: the held one
+        # too, once its bucket is loaded - not left waiting forever for a bucket that never
+        # comes (which would keep its server's update, and the next one, waiting).
+        site.workers.release()
+        wait_until(
+            lambda: site.workers.endings.count("aborted") == 2, what="both workers to be told"
+        )
         assert "push 2 (" in err and ") failed: stopped (stopped by a client" in err
 
 

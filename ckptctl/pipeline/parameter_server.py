@@ -129,12 +129,18 @@ class ReplyWatchingSocket:
         # PS: every later exchange is made up too.
         self._detached = False
         self._timeout_ms = timeout_ms
+        self._peer_gone = False  # found after a cancel: the worker's process died (`settle`)
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         socket.setsockopt(zmq.LINGER, 0)
+        # Lets a cancelled transfer still hand a slow worker the exception it raises, with its
+        # reply still owed (`send_pyobj`); the PS itself never sends twice in a row.
+        socket.setsockopt(zmq.REQ_RELAXED, 1)
         socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
         socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
 
     def send_pyobj(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        import zmq
+
         if obj is None:
             self._nones_sent += 1
         elif self.handle is None:
@@ -142,7 +148,17 @@ class ReplyWatchingSocket:
         elif isinstance(obj, list):  # a bucket's metas: [{name, dtype, shape, offset}, ...]
             self._bucket_in_flight = bucket_bytes(obj)
         if not self._wait_for(_POLLOUT):
-            return None  # cancelled: dropped (the worker is gone or no longer listens)
+            # Cancelled, and the worker did not answer in time. A relaxed REQ socket can still
+            # send while it has a peer: a worker that is only slow is there; one whose
+            # process died is not.
+            self._peer_gone = not self._socket.poll(0, zmq.POLLOUT)
+            if isinstance(obj, Exception) and not self._peer_gone:
+                # checkpoint-engine's "give up": the worker takes it once its bucket is loaded
+                # and raises, instead of waiting forever for a bucket that never comes (and
+                # its server's update with it).
+                with contextlib.suppress(zmq.ZMQError):
+                    self._socket.send_pyobj(obj, zmq.NOBLOCK)
+            return None  # dropped
         sent = self._socket.send_pyobj(obj, *args, **kwargs)
         self.handle_sent.set()
         return sent
@@ -166,16 +182,30 @@ class ReplyWatchingSocket:
                 self._release_handle()
         if self._nones_sent >= 2:
             self.finished.set()
+        if reply == b"" and self.cancelled is not None:
+            # A worker that answers, after a cancel: the same made-up error, so that every rank
+            # leaves at this bucket and the worker is told to give up (not sent the next one).
+            return f"ckptctl: {self.cancelled}".encode()
         return reply
 
     def cancel(self, message: str) -> None:
         """End this transfer although a worker took the handle (its server died, hangs, or the
         push was stopped). Only a flag: the PS's thread, blocked in `recv` or `send_pyobj`,
-        acts on it within POLL_MS. A worker that is still there answers its bucket within
-        CANCEL_GRACE_MS and is told to give up (checkpoint-engine's own error message); one
-        that is gone gets nothing more, and the PS gets made-up error replies."""
+        acts on it within POLL_MS. From then on every reply the PS reads is a made-up error:
+        a worker that answers its bucket (within CANCEL_GRACE_MS) is then told to give up
+        (checkpoint-engine's own message, which it raises); one that is gone gets nothing
+        more (see `settle`)."""
         if self.cancelled is None:
             self.cancelled = message
+
+    def settle(self) -> None:
+        """Once the transfer is over: give back the IPC reference of a worker that took the
+        handle and died during a cancelled transfer. A consumer releases its reference when it
+        lets go of the buffer; one that died never does, and torch would keep the PS's transfer
+        buffer (twice the bucket size) until the job ends. A worker that is only slow keeps
+        it, and releases it itself."""
+        if self._detached and self._peer_gone and self.handle_sent.is_set() and not self.rescued:
+            self._release_handle()
 
     def _wait_for(self, event: int) -> bool:
         """Wait until the socket can `event` (True), or until the transfer is cancelled and no
@@ -695,6 +725,9 @@ class ParameterServerSession(TransferSockets):
             failure = self._explain(exc)
             failure.debug_traceback = "".join(traceback.format_exception(exc))
             drop_frames(exc)
+        finally:
+            for s in self.sockets:
+                s.settle()
         if failure is None and (self._worker_errors() or self.cancelled()):
             # checkpoint-engine dropped the last bucket's reply, or a cancel made it up
             failure = self._explain(None)

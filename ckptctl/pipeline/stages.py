@@ -500,6 +500,8 @@ class ServerRequest:
                 f"{describe_failure(exc, address, left)}",
             )
             return
+        if self._abandoned.is_set():
+            return  # a late answer to a push that failed: it decides nothing now
         self.messages.append(message)
         # The server says it is done: the transfer on our side must end now too. If it does
         # not, the server answered without taking the weights (it never connected over IPC).

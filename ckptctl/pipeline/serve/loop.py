@@ -385,7 +385,8 @@ class ServeLoop:
                 self._stop_reason = reason
             running = self._running
         if running is not None:
-            running[1].publish_abort(ExitCode.FAILED, f"stopped ({reason})", request=True)
+            if running[0]["action"] != "restore":  # (a restore leaves the server whole: it runs)
+                running[1].publish_abort(ExitCode.FAILED, f"stopped ({reason})", request=True)
             self.job.watchdog.end_at(
                 time.monotonic() + STOP_GRACE_S,
                 ExitCode.FAILED,
