@@ -1,8 +1,5 @@
-"""The `ckptctl` command line: one module per command, all registered here.
-
-Commands parse flags, call the library (`ckptctl.*`) and print; torch and checkpoint-engine are
-imported only inside the commands that need them, so `ckptctl --help` starts fast.
-"""
+"""The Typer application: every command registered, with its help (ckptctl.cli.run comes here
+for every command line that ckptctl.cli._fast does not take)."""
 
 from __future__ import annotations
 
@@ -16,11 +13,7 @@ import typer
 
 from ckptctl import __version__, results
 from ckptctl.cli import _completion, join, metas, save_metas, serve, update, wait_ready
-from ckptctl.cli._errors import (
-    handle_errors,
-    install_signal_handlers,
-    restore_default_signal_handlers,
-)
+from ckptctl.cli._errors import handle_errors
 from ckptctl.cli._help import epilog, panel_of, with_short_help
 from ckptctl.cli._options import FLAG, show_help
 from ckptctl.cli._usage import describe
@@ -106,18 +99,6 @@ for _name, _command in COMMANDS.items():
         add_help_option=not _own_help,
         rich_help_panel=panel_of(_name),
     )(with_short_help(_name, handle_errors(_command)))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point (`ckptctl`, `python -m ckptctl`, `torchrun -m ckptctl`)."""
-    install_signal_handlers()
-    try:
-        code = run(sys.argv[1:] if argv is None else argv)
-    finally:
-        # The command is over: a late signal (torchrun tearing down) just ends the process,
-        # rather than raising into interpreter shutdown.
-        restore_default_signal_handlers()
-    sys.exit(code)
 
 
 def run(args: list[str]) -> int:
