@@ -427,20 +427,28 @@ def status_command(
 ) -> None:
     """Show what a running `ckptctl serve` job on this node holds and did last."""
     from ckptctl import client
-    from ckptctl.pipeline.serve.control import FLAGS
 
     out = Output(json_mode=json_output, quiet=quiet)
-    doc = client.status(
-        control_socket=control_socket,
-        endpoint=endpoint or (),
-        uds=uds or (),
-        wait=wait,
-        names=FLAGS,
-    )
+    doc = client.status(**_which_job_kwargs(control_socket, endpoint, uds, wait))
     if json_output:
         out.result(doc)
         return
     out.show("\n".join(describe_status(doc, doc["control_socket"])))
+
+
+def _which_job_kwargs(
+    control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
+) -> dict[str, Any]:
+    """The client's arguments that find the job, its messages naming the CLI's flags."""
+    from ckptctl.pipeline.serve.control import FLAGS
+
+    return {
+        "control_socket": control_socket,
+        "endpoint": endpoint or (),
+        "uds": uds or (),
+        "wait": wait,
+        "names": FLAGS,
+    }
 
 
 def stop_command(
@@ -467,16 +475,9 @@ def stop_command(
     checkpoint where it can be within the job's last seconds); pushes still waiting fail.
     """
     from ckptctl import client
-    from ckptctl.pipeline.serve.control import FLAGS
 
     out = Output(json_mode=json_output, quiet=quiet)
-    doc = client.stop(
-        control_socket=control_socket,
-        endpoint=endpoint or (),
-        uds=uds or (),
-        wait=wait,
-        names=FLAGS,
-    )
+    doc = client.stop(**_which_job_kwargs(control_socket, endpoint, uds, wait))
     if json_output:
         out.result(doc)
     else:
