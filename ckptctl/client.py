@@ -2,12 +2,16 @@
 without starting a process for each.
 
 A training loop is a Python process already; calling these saves each push the CLI's own
-start-up (0.25-0.5 s of imports: typer, pydantic, rich) and gives it the result as a dict:
+start-up (its imports and argument parsing) and gives it the result as a dict:
 
     from ckptctl.client import push
 
     result = push("/ckpt/step-1200", weight_version="step-1200", wait=600)
-    print(result["seconds"], result["server_weights"])
+    print(result["wall_s"], result["server_weights"])
+
+Each function returns the document the matching `ckptctl ... --json` prints (`ok`, `exit_code`,
+`error` and the command's fields), and its messages name these functions' arguments
+(`wait=SECONDS`), where the CLI's name its flags.
 
 The job is found as the CLI finds it: `control_socket`, else the job that feeds `endpoint` /
 `uds`, else this user's only serve job on the node (ckptctl.pipeline.serve.control, which also
@@ -36,10 +40,7 @@ from ckptctl.errors import (
     OperationFailed,
     UsageError,
 )
-from ckptctl.pipeline.serve.control import NotAnswering
-
-# Named when a client gives up waiting for the job's answer.
-TIMEOUT_FLAG = "--timeout, or timeout= from Python"
+from ckptctl.pipeline.serve.control import ARGUMENTS, Names, NotAnswering
 
 __all__ = [
     "NotAnswering",
@@ -58,13 +59,16 @@ def find_job(
     endpoint: str | Sequence[str] = (),
     uds: str | Sequence[str] = (),
     wait: float = 0.0,
+    *,
+    names: Names = ARGUMENTS,
 ) -> str:
     """The control socket of the serve job to talk to, waiting up to `wait` seconds for one to
-    answer (`serve &` and then the first push)."""
+    answer (`serve &` and then the first push). `names`: how messages name the arguments
+    (the CLI passes its flags)."""
     from ckptctl.pipeline.serve.control import job_targets, resolve_socket
 
     targets = job_targets(_as_list(endpoint), _as_list(uds))
-    return resolve_socket(control_socket, targets, wait)
+    return resolve_socket(control_socket, targets, wait, names=names)
 
 
 def _as_list(values: str | Sequence[str]) -> list[str]:
@@ -109,9 +113,10 @@ def push(
     check: bool = True,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     push_id: str | None = None,
+    names: Names = ARGUMENTS,
 ) -> dict[str, Any]:
     """Push a checkpoint through the serve job and wait for it: the job's answer (`ok`,
-    `seconds`, `server_weights`, `verified`, every rank's figures...), which is also
+    `wall_s`, `server_weights`, `verified`, every rank's figures...), which is also
     `ckptctl push --json`'s. A push that ran and failed raises, with the job's own error line;
     with check=False its answer is returned instead (ok false, exit_code, error). A checkpoint
     whose tensor names, dtypes or shapes differ from those the job served last is refused
@@ -120,7 +125,7 @@ def push(
     on_progress: called about once a second, while the push waits or runs, with what `status`
     says of it (`running`: stage, detail, bytes_done...). push_id: a name of the caller's for
     this push, which `cancel(push_id)` gives up."""
-    path = find_job(control_socket, endpoint, uds, wait)
+    path = find_job(control_socket, endpoint, uds, wait, names=names)
     body = {
         "checkpoint_path": os.path.realpath(os.fspath(checkpoint_path)),
         "weight_version": weight_version,
@@ -131,7 +136,7 @@ def push(
         "push_id": push_id,
     }
     with _watching(path, on_progress):
-        answer = request(path, "POST", "/push", body, timeout, flag=TIMEOUT_FLAG)
+        answer = request(path, "POST", "/push", body, timeout, flag=names.timeout)
     return raise_if_failed(answer) if check else answer
 
 
@@ -144,10 +149,11 @@ def rollback(
     check: bool = True,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     push_id: str | None = None,
+    names: Names = ARGUMENTS,
 ) -> dict[str, Any]:
     """Push the whole checkpoint before the last whole one again, with its weight version
     (`ckptctl rollback`). InvalidInput (3) when there is none, or when its files changed."""
-    path = find_job(control_socket, endpoint, uds, 0.0)
+    path = find_job(control_socket, endpoint, uds, 0.0, names=names)
     with _watching(path, on_progress):
         answer = request(
             path,
@@ -155,7 +161,7 @@ def rollback(
             "/rollback",
             {"push_id": push_id},
             timeout,
-            flag=TIMEOUT_FLAG,
+            flag=names.timeout,
         )
     return raise_if_failed(answer) if check else answer
 
@@ -214,10 +220,21 @@ def status(
     endpoint: str | Sequence[str] = (),
     uds: str | Sequence[str] = (),
     wait: float = 0.0,
+    names: Names = ARGUMENTS,
 ) -> dict[str, Any]:
-    """What the serve job holds and did last (`ckptctl status --json`, less the envelope)."""
-    path = find_job(control_socket, endpoint, uds, wait)
-    return {**request(path, "GET", "/status", None, 10.0), "control_socket": path}
+    """What the serve job holds and did last: `ckptctl status --json`'s document (`ok`,
+    `exit_code`, `error`, `state`, `commands` = `succeeded` + `failed`, `running`, `last`...)."""
+    path = find_job(control_socket, endpoint, uds, wait, names=names)
+    doc = request(path, "GET", "/status", None, 10.0)
+    done, failed = int(doc.get("commands") or 0), int(doc.get("failed") or 0)
+    return {
+        **doc,
+        "ok": True,
+        "exit_code": 0,
+        "error": None,
+        "succeeded": done - failed,
+        "control_socket": path,
+    }
 
 
 def stop(
@@ -226,16 +243,24 @@ def stop(
     endpoint: str | Sequence[str] = (),
     uds: str | Sequence[str] = (),
     wait: float = 0.0,
-) -> str:
-    """Ask the serve job to stop (a push under way finishes first); with `wait`, until it no
-    longer answers (DeadlineExceeded after `wait` seconds). Returns its control socket."""
+    names: Names = ARGUMENTS,
+) -> dict[str, Any]:
+    """Ask the serve job to stop (a push under way is cancelled); with `wait`, until it no
+    longer answers (DeadlineExceeded after `wait` seconds). `ckptctl stop --json`'s document:
+    `control_socket`, `stopped` (true: it no longer answers; false: asked, not waited for)."""
     from ckptctl.pipeline.serve.control import answers
 
-    path = find_job(control_socket, endpoint, uds, 0.0)
+    path = find_job(control_socket, endpoint, uds, 0.0, names=names)
     request(path, "POST", "/stop", None, 10.0)
     deadline = time.monotonic() + wait
     while wait and answers(path):
         if time.monotonic() >= deadline:
             raise DeadlineExceeded(f"the serve job on {path} still answers after {wait:g}s")
         time.sleep(0.2)
-    return path
+    return {
+        "ok": True,
+        "exit_code": 0,
+        "error": None,
+        "control_socket": path,
+        "stopped": bool(wait),
+    }

@@ -96,7 +96,9 @@ class StageFigures:
         return min(done, self.bytes) if self.bytes is not None else done
 
     def as_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"seconds": round(self.seconds, 4)}
+        # wall_s; `seconds` is its name before it (programs read it).
+        wall = round(self.seconds, 4)
+        doc: dict[str, Any] = {"wall_s": wall, "seconds": wall}
         if self.bytes is not None:
             doc["bytes"] = self.bytes
             rate = self.gb_per_s
@@ -105,7 +107,11 @@ class StageFigures:
                 doc["bytes_done"] = self.done_bytes()
             if self.background:
                 doc["background"] = {
-                    what: {"seconds": round(secs, 4), "gb_per_s": _rounded(self.bytes, secs)}
+                    what: {
+                        "wall_s": round(secs, 4),
+                        "seconds": round(secs, 4),
+                        "gb_per_s": _rounded(self.bytes, secs),
+                    }
                     for what, secs in self.background.items()
                 }
         if self.detail:

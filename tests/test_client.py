@@ -4,6 +4,7 @@ loop would, without starting a `ckptctl push` process per push."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -49,11 +50,31 @@ def test_push_status_and_stop_from_python(short_tmp: Path) -> None:
         again = client.push(TINY, weight_version="v4", control_socket=sock)
         assert again["seq"] == 5 and s.behaviour.weight_version == "v4"
 
+        assert again["wall_s"] == again["seconds"] > 0
+
+        # The documents `status --json` and `stop --json` print, envelope included.
         state = client.status(control_socket=sock)
+        assert state["ok"] is True and state["exit_code"] == 0 and state["error"] is None
         assert state["control_socket"] == sock and state["state"] == "idle"
         assert state["weights"]["weight_version"] == "v4" and state["commands"] == 5
+        assert state["failed"] == 3 and state["succeeded"] == 2
+        cli = subprocess.run(
+            [sys.executable, "-m", "ckptctl", "status", "--control-socket", sock, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 0, cli.stderr
+        assert set(json.loads(cli.stdout)) == set(state)
 
-        assert client.stop(control_socket=sock, wait=60) == sock
+        stopped = client.stop(control_socket=sock, wait=60)
+        assert stopped == {
+            "ok": True,
+            "exit_code": 0,
+            "error": None,
+            "control_socket": sock,
+            "stopped": True,
+        }
         job.communicate(timeout=60)
         assert job.returncode == 0
     with pytest.raises(client.NotAnswering):

@@ -160,9 +160,10 @@ def test_background_work_is_reported_as_what_it_was() -> None:
     doc = figures.as_json()
     assert doc["gb_per_s"] is None
     assert doc["background"] == {
-        "read": {"seconds": 1.38, "gb_per_s": 11.87},
-        "pin": {"seconds": 3.37, "gb_per_s": 4.861},
+        "read": {"wall_s": 1.38, "seconds": 1.38, "gb_per_s": 11.87},
+        "pin": {"wall_s": 3.37, "seconds": 3.37, "gb_per_s": 4.861},
     }
+    assert doc["wall_s"] == doc["seconds"]
     assert re.fullmatch(
         r"register: \d\.\d\ds, 16\.38 GB moved in the background: read 1\.38s "
         r"\(11\.87 GB/s\) \+ pin 3\.37s \(4\.86 GB/s\)",

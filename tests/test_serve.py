@@ -64,6 +64,8 @@ def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
             "push", "--control-socket", sock, "--checkpoint-path", str(TINY), timeout=60
         )
         assert again.returncode == 0, again.stderr  # the job is still usable
+        assert again.stdout.startswith(f"pushed {TINY.resolve()} (push 4, "), again.stdout
+        assert doc["wall_s"] == doc["seconds"] > 0
 
         status = run_script("status", "--control-socket", sock, "--json", timeout=30)
         assert status.returncode == 0
@@ -73,6 +75,7 @@ def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
 
         stop = run_script("stop", "--control-socket", sock, timeout=30)
         assert stop.returncode == 0, stop.stderr
+        assert stop.stdout == f"asked to stop: the serve job on {sock}\n"  # the result: stdout
         out, err = job.communicate(timeout=60)
     assert job.returncode == 0, err
     assert "rank 1: stopped by a client (ckptctl stop) (on rank 0)" in out
@@ -199,7 +202,8 @@ def test_push_and_status_wait_for_a_job_that_is_still_starting(short_tmp: Path) 
         assert json.loads(out)["ok"] is True
         assert status.returncode == 0, status.stderr
         assert "serve job:" in status.stdout
-        assert run_script("stop", "--control-socket", sock, "--wait", "60").returncode == 0
+        stop = run_script("stop", "--control-socket", sock, "--wait", "60")
+        assert stop.returncode == 0 and stop.stdout == f"stopped: the serve job on {sock}\n"
         assert not os.path.exists(sock)
         _, err = job.communicate(timeout=60)
     assert job.returncode == 0, err[-3000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -82,8 +83,10 @@ def test_a_push_that_breaks_off_after_the_workers_connected_says_partial_and_the
         assert st["last"]["ok"] and st["last"]["total_bytes"] > 0
         assert st["last"]["ranks"][0]["figures"]["stages"]["update"]["seconds"] >= 0
         assert st["registered"] == "three"
+        assert st["commands"] == 3 and st["succeeded"] == 2 and st["failed"] == 1
         human = run_script("status", "--control-socket", sock, timeout=30).stdout
         assert "server weights: whole, from push 3" in human and "weight version v3" in human
+        assert "3 push(es) run: 2 ok, 1 failed" in human, human
         out, err = _stop(job, sock)
     assert job.returncode == 0, err[-3000:]
 
@@ -363,3 +366,30 @@ def test_serve_drop_page_cache_leaves_no_pushed_pages_in_the_page_cache(short_tm
             _, err = _stop(job, sock)
         assert job.returncode == 0, err[-3000:]
     assert all(n <= 4 for n, _ in after), (before, after)
+
+
+def test_push_on_a_terminal_shows_progress_there_and_its_result_on_stdout(short_tmp: Path) -> None:
+    """At 80 columns: the push under way is drawn on the terminal (stderr), its result line
+    goes to stdout and nowhere else; `stop` prints its result on stdout too."""
+    from conftest import ckptctl_script
+    from pty_run import run_on_pty
+
+    sock = str(short_tmp / "serve.sock")
+    with (
+        FakeServer(Behaviour(update_delay_s=3)) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
+    ):
+        assert wait_for_path(sock)
+        code, out, err = run_on_pty(
+            [ckptctl_script(), "push", "--control-socket", sock, "--checkpoint-path", str(TINY)],
+            columns=80,
+        )
+        assert code == 0, err
+        assert out.startswith(f"pushed {TINY.resolve()} (push 1, ") and out.count("\n") == 1, out
+        assert "push 1: " in err and "pushed " not in err, err  # the progress, not the result
+        shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", err).replace("\r", "\n")
+        assert all(len(line) <= 80 for line in shown.splitlines()), err
+        stop = run_script("stop", "--control-socket", sock, timeout=30)
+        assert stop.returncode == 0 and stop.stdout.startswith("asked to stop: "), stop.stderr
+        job.communicate(timeout=60)
+    assert job.returncode == 0

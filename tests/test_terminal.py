@@ -135,9 +135,9 @@ def test_the_first_dry_run_on_a_terminal_plans_one_server_group() -> None:
 
 def test_wait_ready_on_a_terminal_says_what_it_waited_for() -> None:
     with FakeServer(Behaviour()) as s:
-        code, _, err = _run_on_pty("wait-ready", "--endpoint", s.endpoint, columns=80)
+        code, out, err = _run_on_pty("wait-ready", "--endpoint", s.endpoint, columns=80)
     assert code == 0, err
-    flat = " ".join(err.split())
+    flat = " ".join(out.split())  # the result: stdout
     assert (
         f"{s.endpoint} is listening after" in flat and "(1 attempt; it answered HTTP 503)" in flat
     )

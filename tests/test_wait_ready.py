@@ -524,7 +524,7 @@ def test_a_refused_connection_still_says_to_check_the_server(refused_endpoint: s
 def test_success_says_what_it_waited_for_in_good_english(server: FakeServer) -> None:
     r = invoke("wait-ready", "--endpoint", server.endpoint, "--timeout", "10", *FAST)
     assert r.exit_code == 0, r.stderr
-    last = r.stderr.splitlines()[-1]
+    last = r.stdout.splitlines()[-1]  # the result: stdout
     assert re.fullmatch(
         rf"{re.escape(server.endpoint)} is listening after \d+\.\ds \(1 attempt; it answered "
         r"HTTP 503\)",

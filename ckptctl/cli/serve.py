@@ -243,9 +243,10 @@ def push_command(
     and, if the server had begun taking the weights, pushes the last whole checkpoint again.
     """
     from ckptctl import client
+    from ckptctl.pipeline.serve.control import FLAGS
 
     out = Output(json_mode=json_output, quiet=quiet)
-    path = client.find_job(control_socket, endpoint or (), uds or (), wait)
+    path = client.find_job(control_socket, endpoint or (), uds or (), wait, names=FLAGS)
     run_command(
         out,
         path,
@@ -259,6 +260,7 @@ def push_command(
             control_socket=path,
             timeout=timeout,
             check=False,
+            names=FLAGS,
             **kw,
         ),
     )
@@ -288,13 +290,16 @@ def rollback_command(
     checkpoint's files changed since it was pushed (sizes, mtimes, headers).
     """
     from ckptctl import client
+    from ckptctl.pipeline.serve.control import FLAGS
 
     out = Output(json_mode=json_output, quiet=quiet)
-    path = client.find_job(control_socket, endpoint or (), uds or (), 0.0)
+    path = client.find_job(control_socket, endpoint or (), uds or (), 0.0, names=FLAGS)
     run_command(
         out,
         path,
-        lambda **kw: client.rollback(control_socket=path, timeout=timeout, check=False, **kw),
+        lambda **kw: client.rollback(
+            control_socket=path, timeout=timeout, check=False, names=FLAGS, **kw
+        ),
     )
 
 
@@ -320,7 +325,7 @@ def run_command(out: Output, path: str, send: Any) -> None:
     verified = f"; verified: {doc['verified']}" if doc.get("verified") else ""
     what = "rolled back to push {restores}".format(**doc) if doc.get("restores") else "pushed"
     out.show(
-        f"{what} {doc.get('checkpoint_path')} (push {doc['seq']}, {doc.get('seconds') or 0:.2f}s; "
+        f"{what} {doc.get('checkpoint_path')} (push {doc['seq']}, {doc.get('wall_s') or 0:.2f}s; "
         f"server weights: {doc.get('server_weights')}{verified})"
     )
 
@@ -403,7 +408,9 @@ def describe_running(running: dict[str, Any]) -> str:
             f", {format_bytes(running.get('bytes_done') or 0)} of {format_bytes(running['bytes'])}"
         )
         if running.get("bytes_per_s"):
-            text += f" ({format_bytes(running['bytes_per_s'])}/s, eta {running.get('eta_seconds', 0):.0f}s)"
+            text += (
+                f" ({format_bytes(running['bytes_per_s'])}/s, eta {running.get('eta_s', 0):.0f}s)"
+            )
     if running.get("detail"):
         text += f" - {running['detail']}"
     return text
@@ -422,13 +429,26 @@ def status_command(
     from ckptctl import client
 
     out = Output(json_mode=json_output, quiet=quiet)
-    doc = client.status(
-        control_socket=control_socket, endpoint=endpoint or (), uds=uds or (), wait=wait
-    )
+    doc = client.status(**_which_job_kwargs(control_socket, endpoint, uds, wait))
     if json_output:
-        out.result({**doc, "exit_code": 0, "error": None})
+        out.result(doc)
         return
     out.show("\n".join(describe_status(doc, doc["control_socket"])))
+
+
+def _which_job_kwargs(
+    control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
+) -> dict[str, Any]:
+    """The client's arguments that find the job, its messages naming the CLI's flags."""
+    from ckptctl.pipeline.serve.control import FLAGS
+
+    return {
+        "control_socket": control_socket,
+        "endpoint": endpoint or (),
+        "uds": uds or (),
+        "wait": wait,
+        "names": FLAGS,
+    }
 
 
 def stop_command(
@@ -457,21 +477,18 @@ def stop_command(
     from ckptctl import client
 
     out = Output(json_mode=json_output, quiet=quiet)
-    path = client.stop(
-        control_socket=control_socket, endpoint=endpoint or (), uds=uds or (), wait=wait
-    )
+    doc = client.stop(**_which_job_kwargs(control_socket, endpoint, uds, wait))
     if json_output:
-        out.result(
-            {
-                "ok": True,
-                "exit_code": 0,
-                "error": None,
-                "control_socket": path,
-                "stopped": bool(wait),
-            }
-        )
+        out.result(doc)
     else:
-        out.log(f"{'stopped' if wait else 'stopping'} the serve job on {path}")
+        what = "stopped" if doc["stopped"] else "asked to stop"
+        out.show(f"{what}: the serve job on {doc['control_socket']}")
+
+
+def _runs(doc: dict[str, Any]) -> str:
+    """The pushes and rollbacks the job ran: how many ended ok, how many failed."""
+    done, failed = int(doc.get("commands") or 0), int(doc.get("failed") or 0)
+    return f"{done} push(es) run: {done - failed} ok, {failed} failed"
 
 
 def _ago(stamp: str | None) -> str:
@@ -491,7 +508,7 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
     rank = doc.get("rank", 0)
     lines = [
         f"serve job: {doc.get('state')}, {doc.get('world_size')} rank(s), "
-        f"{doc.get('commands')} push(es) done ({doc.get('failed') or 0} failed), "
+        f"{_runs(doc)}, "
         f"{doc.get('queued') or 0} waiting; "
         f"control socket {path}"
         + (
@@ -536,7 +553,7 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
         )
         if last.get("ok"):
             size = last.get("total_bytes") or 0
-            secs = float(last.get("seconds") or 0)
+            secs = float(last.get("wall_s") or last.get("seconds") or 0)
             rate = f", {size / secs / 1e9:.2f} GB/s" if size and secs > 0 else ""
             lines.append(
                 f"{head}: ok in {secs:.2f}s ({size / 1e9:.2f} GB{rate}), at {_ago(last.get('finished_at'))}"

@@ -155,7 +155,7 @@ def wait_ready_command(
             f"({count(result.attempts)}, last: {result.last_status}); "
             f"{_what_to_do(result.last_status, for_, weight_version)}"
         )
-    out.log(
+    out.show(  # the result: stdout, like every command's
         f"{address.describe()} is {goal} after {result.elapsed_s:.1f}s "
         f"({count(result.attempts)}; it answered {result.last_status})"
     )

@@ -39,6 +39,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -441,14 +442,34 @@ class NotAnswering(OperationFailed):
     """No serve job of this user answers there (no socket, nobody listening)."""
 
 
-def check_client_socket(path: str) -> None:
+@dataclass(frozen=True)
+class Names:
+    """How a client's messages name its knobs: Python arguments (ckptctl.client), or the
+    CLI's flags."""
+
+    wait: str = "wait=SECONDS"
+    timeout: str = "timeout="
+    endpoint: str = "endpoint=URL"
+    control_socket: str = "control_socket=PATH"
+
+
+ARGUMENTS = Names()
+FLAGS = Names(
+    wait="--wait SECONDS",
+    timeout="--timeout",
+    endpoint="--endpoint URL",
+    control_socket="--control-socket PATH",
+)
+
+
+def check_client_socket(path: str, names: Names = ARGUMENTS) -> None:
     """Before connecting: `path` must be a socket owned by this user."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         raise NotAnswering(
             f"no serve job answers on {path}: start one with `torchrun ... ckptctl serve` "
-            "(or wait for it with --wait SECONDS)"
+            f"(or wait for it with {names.wait})"
         ) from None
     if not stat.S_ISSOCK(st.st_mode):
         raise OperationFailed(f"{path} is not a socket: not a serve job's control socket")
@@ -459,8 +480,8 @@ def check_client_socket(path: str) -> None:
         )
 
 
-def _connect(path: str, timeout: float) -> socket.socket:
-    check_client_socket(path)
+def _connect(path: str, timeout: float, names: Names = ARGUMENTS) -> socket.socket:
+    check_client_socket(path, names)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(max(min(timeout, 10.0), 0.1))
     try:
@@ -502,7 +523,7 @@ def call(
     flag: str | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """One request to the serve job on `path`: (HTTP status, JSON answer), within `timeout` s
-    (`flag`: the argument that set it, named when it runs out)."""
+    (`flag`: the argument or flag that set it, named when it runs out)."""
     deadline = time.monotonic() + timeout
     sock = _connect(path, timeout)
     try:
@@ -574,7 +595,7 @@ def _serves(path: str, wanted: Sequence[str]) -> bool:
     return status == 200 and all(w.rstrip("/") in have for w in wanted)
 
 
-def choose_socket(wanted: Sequence[str], tmp_root: str = "/tmp") -> str:
+def choose_socket(wanted: Sequence[str], tmp_root: str = "/tmp", names: Names = ARGUMENTS) -> str:
     """The socket of the one serve job that feeds `wanted` (every job when empty); refuse to
     guess among several."""
     live = live_sockets(tmp_root)
@@ -588,16 +609,20 @@ def choose_socket(wanted: Sequence[str], tmp_root: str = "/tmp") -> str:
         raise NotAnswering(
             f"no serve job of yours answers on this node{which} (looked in "
             f"{', '.join(str(d) for d in socket_dirs(tmp_root))}): start one with "
-            "`torchrun ... ckptctl serve`, or wait for it with --wait SECONDS"
+            f"`torchrun ... ckptctl serve`, or wait for it with {names.wait}"
         )
     raise UsageError(
-        f"{len(live)} serve jobs answer on this node{which}: pick one with --endpoint URL or "
-        f"--control-socket PATH ({'; '.join(live)})"
+        f"{len(live)} serve jobs answer on this node{which}: pick one with {names.endpoint} or "
+        f"{names.control_socket} ({'; '.join(live)})"
     )
 
 
 def resolve_socket(
-    explicit: str | None, wanted: Sequence[str], wait_s: float, tmp_root: str = "/tmp"
+    explicit: str | None,
+    wanted: Sequence[str],
+    wait_s: float,
+    tmp_root: str = "/tmp",
+    names: Names = ARGUMENTS,
 ) -> str:
     """The control socket to talk to, waiting up to `wait_s` for a serve job to answer on it
     (`serve &` then `push --wait 600`: the socket appears once every rank is up)."""
@@ -605,9 +630,9 @@ def resolve_socket(
     while True:
         try:
             if explicit:
-                _connect(explicit, 2.0).close()  # raises why not
+                _connect(explicit, 2.0, names).close()  # raises why not
                 return explicit
-            return choose_socket(wanted, tmp_root)
+            return choose_socket(wanted, tmp_root, names)
         except NotAnswering as exc:
             if time.monotonic() >= deadline:
                 if wait_s > 0:

@@ -99,6 +99,7 @@ def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[
     if error is not None and partial:  # the loop says what became of them (ServeLoop._restore)
         error = error.replace(f" ({PARTIAL_WEIGHTS_NOTE})", "")
     sizes = [r["total_bytes"] for r in ranks if isinstance(r.get("total_bytes"), int)]
+    wall_s = max((float(r.get("wall_s") or 0) for r in ranks), default=0.0)
     return {
         "ok": first is None,
         "exit_code": 0 if first is None else int(first.get("exit_code") or ExitCode.FAILED),
@@ -115,7 +116,8 @@ def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[
         "server_weights": "whole" if first is None else ("partial" if partial else None),
         "started_at": command.get("started_at"),
         "finished_at": utc_now(),
-        "seconds": max((float(r.get("seconds") or 0) for r in ranks), default=0.0),
+        "wall_s": wall_s,
+        "seconds": wall_s,  # (the name before wall_s; programs read it)
         "total_bytes": max(sizes) if sizes else None,
         # push --verify: what was proven and how (rank 0 holds the whole answer).
         "verified": ranks[0].get("verified") if first is None else None,
@@ -207,7 +209,9 @@ class ServeState:
 def describe_stage(st: StageFigures) -> dict[str, Any]:
     """A running stage as `status` shows it: its name, what it waits on, how far it got."""
     elapsed = time.perf_counter() - st.started_at
-    doc: dict[str, Any] = {"stage": st.name, "label": st.label, "stage_seconds": round(elapsed, 2)}
+    # elapsed_s and eta_s; stage_seconds and eta_seconds are their names before them.
+    doc: dict[str, Any] = {"stage": st.name, "label": st.label}
+    doc["elapsed_s"] = doc["stage_seconds"] = round(elapsed, 2)
     if st.detail:
         doc["detail"] = st.detail
     if st.bytes:
@@ -215,7 +219,8 @@ def describe_stage(st: StageFigures) -> dict[str, Any]:
         doc.update(bytes=st.bytes, bytes_done=done)
         if done and elapsed > 0 and st.done.live:
             rate = done / elapsed
-            doc.update(bytes_per_s=round(rate), eta_seconds=round((st.bytes - done) / rate, 1))
+            eta = round((st.bytes - done) / rate, 1)
+            doc.update(bytes_per_s=round(rate), eta_s=eta, eta_seconds=eta)
     return doc
 
 
@@ -488,7 +493,8 @@ class ServeLoop:
         merged["restore"] = {
             "ok": again["ok"],
             "restored_push": whole["seq"],
-            "seconds": again["seconds"],
+            "wall_s": again["wall_s"],
+            "seconds": again["wall_s"],
             "error": again["error"],
         }
         if again["ok"]:
@@ -536,7 +542,7 @@ class ServeLoop:
             assert push_job.coordinator is not None
             push_job.coordinator.publish_abort(result["exit_code"], result["error"])
         result["rank"] = job.launch.rank
-        result["seconds"] = round(time.perf_counter() - started, 4)
+        result["wall_s"] = result["seconds"] = round(time.perf_counter() - started, 4)
         return result
 
 

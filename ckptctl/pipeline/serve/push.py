@@ -182,7 +182,7 @@ def check_layout(state: dict[str, Any], checkpoint: Any, command: dict[str, Any]
             f"{command['checkpoint_path']}: its tensors are not those the server holds (from "
             f"push {served['seq']}): {change}; a server fails on such a push mid-update and "
             "keeps partly updated weights: push a checkpoint of the served layout, or pass "
-            "--allow-layout-change if the server takes this one"
+            "--allow-layout-change (allow_layout_change=True from Python) if the server takes this one"
         )
 
 
