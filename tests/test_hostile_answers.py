@@ -1,7 +1,7 @@
 """Answers built to hurt the parser: nested deeper than Python's JSON parser goes, or packed with
 values that take 20 times their bytes once parsed. They count as no JSON at all: `wait-ready`
 keeps polling (and times out with exit 4, not `internal error: RecursionError`), and no answer
-costs much more memory than its size. The weights checker's cap is the one the README states."""
+costs much more memory than its size. The weights checker's cap is the one SECURITY.md states."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fake_server import Behaviour, FakeServer
 from ckptctl import bounded_http, verify
 from ckptctl.server import ServerAddress, parse_json_object
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+SECURITY = Path(__file__).resolve().parents[1] / "SECURITY.md"
 # 3,000 levels: past the parser's recursion limit, yet few enough values to be parsed.
 DEEP = b'{"weight_version": ' + b"[" * 3000 + b"]" * 3000 + b"}"
 # The issue's 500,000 levels (1 MB, under the 1 MiB cap).
@@ -73,8 +73,8 @@ def test_a_packed_answer_is_refused_before_anything_is_built() -> None:
     assert doc is not None and len(doc["checksums"]) == 80_000
 
 
-def test_the_checkers_cap_is_the_one_the_readme_states() -> None:
-    text = " ".join(README.read_text().split())
+def test_the_checkers_cap_is_the_one_security_md_states() -> None:
+    text = " ".join(SECURITY.read_text().split())
     caps = re.search(r"a cap on the answer \((\d+) MiB; (\d+) MiB for the weights checker's", text)
     assert caps is not None
     assert int(caps[1]) << 20 == bounded_http.MAX_RESPONSE_BYTES

@@ -198,7 +198,7 @@ def test_the_command_group_of_a_one_node_job_listens_on_loopback_only(short_tmp:
 def test_a_one_process_serve_job_listens_on_no_tcp_port(short_tmp: Path) -> None:
     """One process needs no network: its store lives in memory and it builds no command group.
     (A TCPStore of its own listened on every interface, and anyone could end the job there.)
-    checkpoint-engine's own store, on MASTER_PORT+1, is stood in for here (README)."""
+    checkpoint-engine's own store, on MASTER_PORT+1, is stood in for here (SECURITY.md)."""
     sock = str(short_tmp / "serve.sock")
     with FakeServer(Behaviour()) as server:
         cmd = [
