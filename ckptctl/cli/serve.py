@@ -98,6 +98,19 @@ WaitOpt = Annotated[
     ),
 ]
 
+# push and rollback: how long the command waits for the job's answer.
+AnswerTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        metavar="SECONDS",
+        callback=at_least(1),
+        rich_help_panel=WAITING,
+        help="Seconds to wait for the job's answer (exit 4); the serve job bounds each push by "
+        "its own --push-timeout.",
+    ),
+]
+
 
 def serve_command(
     endpoint: EndpointsOpt = None,
@@ -221,17 +234,7 @@ def push_command(
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
     wait: WaitOpt = 0,
-    timeout: Annotated[
-        float,
-        typer.Option(
-            "--timeout",
-            metavar="SECONDS",
-            callback=at_least(1),
-            rich_help_panel=WAITING,
-            help="Seconds to wait for the push's answer (exit 4); the serve job bounds each "
-            "push by its own --push-timeout.",
-        ),
-    ] = 900,
+    timeout: AnswerTimeoutOpt = 900,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
@@ -270,16 +273,7 @@ def rollback_command(
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
-    timeout: Annotated[
-        float,
-        typer.Option(
-            "--timeout",
-            metavar="SECONDS",
-            callback=at_least(1),
-            rich_help_panel=WAITING,
-            help="Seconds to wait for the rollback's answer (exit 4).",
-        ),
-    ] = 900,
+    timeout: AnswerTimeoutOpt = 900,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
