@@ -109,6 +109,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked `gpu` need CUDA and checkpoint-engine's ParameterServer: skip them on CPU.
     Where they run, they run one at a time (one pytest-xdist worker: `--dist loadgroup`), as
     they share the machine's GPUs."""
+    if _cuda_available():  # these check what a machine without CUDA says
+        skip_here = pytest.mark.skip(reason="expects a machine without CUDA (no_cuda)")
+        for item in items:
+            if "no_cuda" in item.keywords:
+                item.add_marker(skip_here)
     gpu = [item for item in items if "gpu" in item.keywords]
     for item in gpu:
         item.add_marker(pytest.mark.xdist_group("gpu"))

@@ -513,6 +513,7 @@ def test_zsh_completion_starts_with_compdef() -> None:
         assert (ROOT / "completions" / f"ckptctl.{shell}").read_text().strip()
 
 
+@pytest.mark.no_cuda
 def test_gpu_commands_without_a_gpu_advise_only_what_exists(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

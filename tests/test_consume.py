@@ -54,6 +54,7 @@ def test_tensor_split_is_refused(shm_copy: Path) -> None:
     assert r.exit_code == 2 and "--split files" in r.stderr
 
 
+@pytest.mark.no_cuda
 def test_nothing_is_deleted_when_the_job_fails_first(shm_copy: Path) -> None:
     before = sorted(p.name for p in shm_copy.iterdir())
     r = _update(shm_copy)

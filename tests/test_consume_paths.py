@@ -101,6 +101,7 @@ def test_a_folder_of_another_user_is_refused(shm_dir: Path) -> None:
     _refused_untouched(r, shm_dir, before=before, says="belongs to another user")
 
 
+@pytest.mark.no_cuda
 def test_a_plain_shm_checkpoint_still_passes_the_checks(shm_dir: Path) -> None:
     """The checks refuse nothing legitimate: here the job goes on to need a GPU."""
     r = _update(shm_dir)

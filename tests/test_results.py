@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from conftest import assert_failure_document, run_script
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
@@ -34,6 +35,7 @@ def test_native_writes_to_fd_1_go_to_stderr_during_a_job() -> None:
     assert "native noise" in r.stderr and "a stray print" in r.stderr
 
 
+@pytest.mark.no_cuda
 def test_failed_gpu_command_still_writes_one_document() -> None:
     r = run_script(
         "update",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import ckptctl_script
 from fake_server import Behaviour, FakeServer
 from pty_run import run_on_pty
@@ -55,6 +56,7 @@ def test_wait_ready_spinner_on_a_terminal() -> None:
     assert "Traceback" not in err
 
 
+@pytest.mark.no_cuda
 def test_update_stage_view_on_a_terminal_ends_with_one_error_line() -> None:
     # No GPU here: the stage view starts, the split runs, the parameter server cannot start.
     code, out, err = _run_on_pty(

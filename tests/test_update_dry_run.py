@@ -202,6 +202,7 @@ def test_bad_flags_are_usage_errors() -> None:
     assert invoke(*args, "--world-size", "0").exit_code == 2
 
 
+@pytest.mark.no_cuda
 @pytest.mark.parametrize(
     ("extra", "code", "words"),
     [
