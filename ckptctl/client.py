@@ -35,10 +35,9 @@ from ckptctl.errors import (
     CkptctlError,
     DeadlineExceeded,
     ExitCode,
-    Interrupted,
-    InvalidInput,
     OperationFailed,
     UsageError,
+    error_for,
 )
 from ckptctl.pipeline.serve.control import ARGUMENTS, Names, NotAnswering
 
@@ -206,12 +205,7 @@ def raise_if_failed(answer: dict[str, Any]) -> dict[str, Any]:
         return answer
     code = int(answer.get("exit_code") or ExitCode.FAILED)
     error = str(answer.get("error") or "the push failed")
-    kinds: dict[int, type[CkptctlError]] = {
-        ExitCode.INVALID_INPUT: InvalidInput,
-        ExitCode.TIMEOUT: DeadlineExceeded,
-        ExitCode.INTERRUPTED: Interrupted,
-    }
-    raise kinds.get(code, OperationFailed)(error)
+    raise error_for(code, error)
 
 
 def status(

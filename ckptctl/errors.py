@@ -59,6 +59,14 @@ class Interrupted(CkptctlError):
     exit_code = ExitCode.INTERRUPTED
 
 
+def error_for(code: int, message: str) -> CkptctlError:
+    """The error that exits with `code` (a failure reported as a code: a push's answer, an
+    abort notice); any code without a class of its own is a failure (1)."""
+    kinds: tuple[type[CkptctlError], ...] = (InvalidInput, DeadlineExceeded, Interrupted)
+    kind = next((k for k in kinds if k.exit_code == code), OperationFailed)
+    return kind(message)
+
+
 # -- secrets: registered once, taken out of everything ckptctl prints -----------------------------
 
 REDACTED = "***"

@@ -35,8 +35,7 @@ from ckptctl.errors import (
     DeadlineExceeded,
     ExitCode,
     Interrupted,
-    InvalidInput,
-    OperationFailed,
+    error_for,
     print_error,
 )
 from ckptctl.launch import LaunchInfo
@@ -97,12 +96,7 @@ def describe_abort(abort: dict[str, Any]) -> str:
 
 def abort_error(abort: dict[str, Any]) -> CkptctlError:
     """The error a rank raises when its job (or push) was given up: the notice's exit code."""
-    kinds: dict[int, type[CkptctlError]] = {
-        ExitCode.TIMEOUT: DeadlineExceeded,
-        ExitCode.INVALID_INPUT: InvalidInput,
-        ExitCode.INTERRUPTED: Interrupted,
-    }
-    return kinds.get(abort["code"], OperationFailed)(describe_abort(abort))
+    return error_for(abort["code"], describe_abort(abort))
 
 
 def read_stop(raw: bytes | str, world_size: int) -> dict[str, Any]:

@@ -206,6 +206,16 @@ class ServeState:
             }
 
 
+def push_again(whole: dict[str, Any], action: str) -> dict[str, Any]:
+    """A command that pushes a whole set of the history (ServeState.history) again: a restore
+    or a rollback, with that push's checkpoint, name and weight version."""
+    return {
+        "action": action,
+        "restores": whole["seq"],
+        **{k: whole[k] for k in ("checkpoint_path", "checkpoint_name", "weight_version")},
+    }
+
+
 def describe_stage(st: StageFigures) -> dict[str, Any]:
     """A running stage as `status` shows it: its name, what it waits on, how far it got."""
     elapsed = time.perf_counter() - st.started_at
@@ -234,6 +244,7 @@ class ServeLoop:
         push_timeout: float,
         state: dict[str, Any],
         targets: list[str],
+        restore: bool = True,
     ) -> None:
         self.job = job
         self.execute = execute
@@ -250,7 +261,7 @@ class ServeLoop:
         self._wake = threading.Event()
         # The command under way (rank 0's `/cancel` and a stop give it up through its scope).
         self._running: tuple[dict[str, Any], Any] | None = None
-        self.restore = True  # push the last whole checkpoint again after a partial failure
+        self.restore = restore  # push the last whole checkpoint again after a partial failure
 
     # -- the control socket's handlers (its threads) ------------------------------------------------
     def handlers(self) -> dict[tuple[str, str], Handler]:
@@ -326,14 +337,7 @@ class ServeLoop:
                 "error": "nothing to roll back to: the job has not pushed two whole checkpoints",
             }
         return self._enqueue(
-            {
-                "action": "rollback",
-                "restores": earlier["seq"],
-                "checkpoint_path": earlier["checkpoint_path"],
-                "checkpoint_name": earlier["checkpoint_name"],
-                "weight_version": earlier["weight_version"],
-                "push_id": (doc or {}).get("push_id"),
-            }
+            {**push_again(earlier, "rollback"), "push_id": (doc or {}).get("push_id")}
         )
 
     def handle_cancel(self, doc: Any) -> tuple[int, dict[str, Any]]:
@@ -480,14 +484,7 @@ class ServeLoop:
             why = "serve --no-restore" if not self.restore else "no whole push before it"
             merged["error"] += f" ({PARTIAL_WEIGHTS_NOTE}; not restored: {why})"
             return
-        restore = {
-            "action": "restore",
-            "seq": merged["seq"],
-            "restores": whole["seq"],
-            "checkpoint_path": whole["checkpoint_path"],
-            "checkpoint_name": whole["checkpoint_name"],
-            "weight_version": whole["weight_version"],
-        }
+        restore = {**push_again(whole, "restore"), "seq": merged["seq"]}
         self.state.begin(restore)
         again = self._run_everywhere(restore)
         merged["restore"] = {
@@ -599,8 +596,8 @@ def serve_loop(
             push_timeout=push_timeout,
             state=state if state is not None else {},
             targets=targets or [],
+            restore=restore,
         )
-        loop.restore = restore
         # Every rank is in the group: learn where each one runs (status names rank 0's host).
         hosts = channel.gather({"host": socket.gethostname()}, TICK_TIMEOUT_S)
         loop.state.hosts = [d["host"] for d in hosts]

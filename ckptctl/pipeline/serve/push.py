@@ -38,8 +38,9 @@ from ckptctl.errors import (
     CkptctlError,
     ExitCode,
     InvalidInput,
+    error_for,
 )
-from ckptctl.pipeline.coordination import abort_error, describe_abort
+from ckptctl.pipeline.coordination import describe_abort
 from ckptctl.pipeline.job import Job
 
 Executor = Any  # Callable[[Job, dict], dict] (loop.py)
@@ -157,7 +158,7 @@ class PushFailure:
     def raise_if_failed(self) -> None:
         if self.code is None:
             return
-        raise abort_error({"code": self.code, "message": self.message, "request": True})
+        raise error_for(self.code, self.message)
 
 
 # A restore right after a failed push waits this long at most for the server: one that died
@@ -295,10 +296,8 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
                 exc.server_weights = "partial"  # type: ignore[attr-defined]
             raise
         previous, state["registered"] = state.get("registered"), name
-        state["layout"] = {
-            "seq": command.get("restores", command["seq"]),
-            "tensors": checkpoint.tensors,
-        }
+        served = command.get("restores", command["seq"])  # the push whose checkpoint this is
+        state["layout"] = {"seq": served, "tensors": checkpoint.tensors}
         state["served_tensors"] = len(checkpoint.tensors)  # (read by status)
         if previous is not None:
             session.unregister(previous, pool)
@@ -308,7 +307,7 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
             state["pinned_pool_bytes"] = pool.pinned_bytes  # (read by status)
         if mode != "consume":  # consumed files are gone: nothing to push again from them
             whole = state.setdefault("whole", {})
-            whole[command.get("restores", command["seq"])] = checkpoint
+            whole[served] = checkpoint
             for old in sorted(whole)[:-KEPT_WHOLE]:
                 del whole[old]
         return {
