@@ -16,7 +16,10 @@ share being ready (read, pinned, as tensors), for each way of overlapping:
     pin-driver-huge   pin-driver into memory asked for in huge pages
     pin-after         read-pop, then pin through the runtime once torch is there (before 7cdc960)
 
-    python bench/bench_import_overlap.py --model qwen3-8b --reps 2 --out DIR
+    python bench/bench_import_overlap.py --model qwen3-8b --reps 6
+
+Writes import-overlap-<model>-tp2.{json,md} to --out (bench/results/ by default, replacing the
+previous run's), with the commit, date and machine.
 """
 
 from __future__ import annotations
@@ -116,6 +119,28 @@ def system_facts() -> dict[str, str]:
     return facts
 
 
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [
+        f"# Does the early read and pin slow the `import torch` it overlaps? {doc['model']} "
+        "shapes, 2 ranks",
+        "",
+        f"    {doc['command']}",
+        "",
+        "Medians over every repetition and rank, seconds from the process's start; the modes "
+        "are those of bench/bench_import_overlap.py's docstring.",
+        "",
+        "| mode | runs | import torch done s | share ready s | read s | pin s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, s in doc["median"].items():
+        runs = sum(1 for r in doc["rows"] if r["mode"] == mode)
+        lines.append(
+            f"| {mode} | {runs} | {s['import_torch_done_s']:.2f} | {s['share_ready_s']:.2f} | "
+            f"{s['read_s']:.2f} | {s['pin_s']:.2f} |"
+        )
+    return "\n".join([*lines, ""])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-8b")
@@ -184,8 +209,10 @@ def main() -> None:
             "pin_s": statistics.median(r.get("pin_s") or 0 for r in mine),
         }
     doc = {"model": args.model, "rows": rows, "median": summary, "system": system_facts()}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"import-overlap-{args.model}.json").write_text(json.dumps(doc, indent=1))
+    doc["command"] = f"python bench/bench_import_overlap.py --model {args.model} --reps {args.reps}"
+    from result_files import write_results
+
+    write_results(args.out, f"import-overlap-{args.model}-tp2", doc, markdown(doc))
     for mode, s in summary.items():
         print(f"{mode:18s} import done {s['import_torch_done_s']:.2f}s  share ready "
               f"{s['share_ready_s']:.2f}s  both {s['ready_s']:.2f}s  read {s['read_s']:.2f}s  "

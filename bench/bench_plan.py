@@ -5,7 +5,9 @@
 Writes ~162 sparse shards (real headers, 688 GB of holes: no disk used) to a temporary
 directory, removed afterwards, and prints one JSON document with the timings (seconds; best
 and median of --repeat runs). `cli_*` figures time the installed `ckptctl` end to end, with
-`cli_startup_s` (`ckptctl --version`) as the start-up cost to subtract.
+`cli_startup_s` (`ckptctl --version`) as the start-up cost to subtract. The same document goes
+to plan-deepseek-v3-cpu.{json,md} in --out (bench/results/ by default, replacing the previous
+run's), with the commit, date and machine.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--world-size", type=int, action="append", dest="worlds")
+    parser.add_argument("--out", help="default: bench/results/")
     args = parser.parse_args()
     worlds = args.worlds or [8, 64]
     ckptctl = str(Path(sys.executable).with_name("ckptctl"))
@@ -96,6 +99,30 @@ def main() -> None:
         print(json.dumps(report, indent=2))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    from result_files import RESULTS, write_results
+
+    report["command"] = " ".join(["python", "bench/bench_plan.py", *sys.argv[1:]])
+    write_results(args.out or RESULTS, "plan-deepseek-v3-cpu", report, markdown(report))
+
+
+def markdown(report: dict[str, object]) -> str:
+    """Every timed step, best / median seconds."""
+    lines = [
+        "# Planning at DeepSeek-V3 scale (sparse files: real headers, data as holes)",
+        "",
+        f"    {report['command']}",
+        "",
+        f"{report['files']} shards, {report['tensors']} tensors, "
+        f"{int(report['total_bytes']) / 1e9:.1f} GB; Python {report['python']}.",  # type: ignore[call-overload]
+        "",
+        "| step | best s | median s | largest rank / lower bound |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, stats in report.items():
+        if isinstance(stats, dict) and "best_s" in stats:
+            ratio = stats.get("max_rank_over_lower_bound", "")
+            lines.append(f"| `{name}` | {stats['best_s']} | {stats['median_s']} | {ratio} |")
+    return "\n".join([*lines, ""])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ the memory on both sides after every push (no leak: pinned host memory and GPU m
 
     python bench/bench_serve.py --model qwen3-8b --tp 2 --pushes 10 --register-mode direct
 
-Writes serve-<model>-tp<N>-<mode>.{json,md} to --out.
+Writes serve-<model>-tp<N>-<mode>.{json,md} to --out (bench/results/ by default, replacing the
+previous run's), with the commit, date and machine; <mode> is the register mode, or `consume`
+when the run also pushed from /dev/shm (--consume-pushes).
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def main() -> None:
     )
     parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--logs", help="where the job's stderr goes (default: WORKDIR/logs)")
     parser.add_argument("--extra", default="", help="more flags for ckptctl serve")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
     args = parser.parse_args()
@@ -122,8 +125,9 @@ def main() -> None:
         nproc=args.tp,
     )  # fmt: skip
     t_start = time.perf_counter()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    job_log = Path(args.out) / f"serve-{args.model}-tp{args.tp}-job.log"  # the ranks' stderr
+    logs = Path(args.logs or Path(args.workdir) / "logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    job_log = logs / f"serve-{args.model}-tp{args.tp}-job.log"  # the ranks' stderr
     with job_log.open("w") as log:
         job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     pushes: list[dict[str, Any]] = []
@@ -248,9 +252,8 @@ def main() -> None:
         f"--consume-pushes {args.consume_pushes}"
         + (f" --extra '{args.extra}'" if args.extra else ""),
     }
-    write_results(
-        args.out, f"serve-{args.model}-tp{args.tp}-{args.register_mode}", doc, markdown(doc)
-    )
+    mode = "consume" if args.consume_pushes else args.register_mode
+    write_results(args.out, f"serve-{args.model}-tp{args.tp}-{mode}", doc, markdown(doc))
 
 
 def markdown(doc: dict[str, Any]) -> str:

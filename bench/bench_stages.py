@@ -1,6 +1,6 @@
 """Every CPU-side stage of `update` on a many-tensor checkpoint, against the machine's own limits.
 
-    python bench/bench_stages.py --model deepseek-v3-small --world-size 2 --out bench/results
+    python bench/bench_stages.py --model deepseek-v3-small --world-size 2
 
 Writes the checkpoint once (bench_update.py's writer; reused when it is there) and measures,
 in one run, with no GPU needed:
@@ -23,7 +23,8 @@ in one run, with no GPU needed:
 - the early read: plan + read one rank's share, then `import torch`, against the same with
   the read in a thread while torch is imported (stages.EarlyShare), in fresh processes.
 
-Results: JSON + Markdown (stages-<model>-cpu.{json,md}) in --out.
+Results: stages-<model>-cpu.{json,md} in --out (bench/results/ by default, replacing the
+previous run's), with the commit, date and machine.
 """
 
 from __future__ import annotations
@@ -440,7 +441,7 @@ def main() -> None:
     )
     warm([ck.path_of(f) for f in ck.files])  # the cold read left the cache partly empty
     doc["imports"] = imports_section(path, args.world_size, args.repeat)
-    from bench_update import write_results
+    from result_files import write_results
 
     write_results(args.out, f"stages-{args.model}-cpu", doc, markdown(doc))
     if not args.keep:

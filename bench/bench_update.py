@@ -1,9 +1,9 @@
 """Benchmark `torchrun ... ckptctl update` on a GPU node against the machine's own limits.
 
-    python bench/bench_update.py --model qwen3-8b --tp 2 --out bench/results   # 16.4 GB, 2 GPUs
+    python bench/bench_update.py --model qwen3-8b --tp 2   # 16.4 GB, 2 GPUs
     python bench/bench_update.py --model qwen3-32b --tp 2 --register-modes direct   # 65.5 GB
     python bench/bench_update.py --model deepseek-v3-small --tp 2   # 90k tensors, 3.1 GB
-    python bench/bench_update.py --model qwen3-4b --tp 1 --out bench/results   # quick, 1 GPU
+    python bench/bench_update.py --model qwen3-4b --tp 1 --out /tmp/x   # quick, 1 GPU
 
 It writes a synthetic checkpoint with the model's real tensor names and shapes (HF layout:
 shards + index.json, random bytes), starts the test receiver (tests/gpu_receiver.py: one
@@ -14,7 +14,8 @@ reading 64 MiB pieces with os.preadv) and the disk's (the files dropped from the
 with posix_fadvise first), and the bare `torchrun` + `import torch` + NCCL process-group time.
 Each contender (the seed script with --seed-script, then each --register-modes) runs --runs
 times, the first from a cold page cache (--cold-first), the others warm. ckptctl's read is
-reported per rank against both limits. Results: JSON + Markdown in --out.
+reported per rank against both limits. Results: update-<model>-tp<N>.{json,md} in --out
+(bench/results/ by default, replacing the previous run's), with the commit, date and machine.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from fake_server import free_port, torchrun_cmd  # noqa: E402
+from result_files import RESULTS, write_results  # noqa: E402
 
 GiB = 1 << 30
 
@@ -255,14 +257,6 @@ def all_received(rep: dict[str, Any], n_tensors: int) -> bool:
     )
 
 
-def write_results(out_dir: str, stem: str, doc: dict[str, Any], md: str) -> None:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(md)
-    print(md)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="qwen3-8b")
@@ -277,7 +271,8 @@ def main() -> None:
     parser.add_argument("--seed-runs", type=int, default=None, help="runs of the seed script")
     parser.add_argument("--threads", default="1,2,4,8,16", help="thread counts for the limits")
     parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--out", default=str(RESULTS), help="where update-<model>-tp<N> goes")
+    parser.add_argument("--logs", help="where each run's stderr goes (default: WORKDIR/logs)")
     parser.add_argument("--extra", default="", help="more flags for ckptctl update")
     parser.add_argument(
         "--seed-script",
@@ -328,7 +323,8 @@ def main() -> None:
                 if cold:
                     drop_cache(shards)  # the first run starts from a cold cache
                 extra = [*args.extra.split(), "--register-mode", mode]
-                log = Path(args.out) / f"update-{args.model}-tp{args.tp}-{mode}-run{i + 1}.log"
+                log = Path(args.logs or Path(args.workdir) / "logs")
+                log /= f"update-{args.model}-tp{args.tp}-{mode}-run{i + 1}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
                 run = run_update(ckpt, args.tp, endpoint, extra, log)
                 run["register_mode"] = mode

@@ -1,6 +1,6 @@
 """Benchmark what `--verify` costs beside the update it proves.
 
-    python bench/bench_verify.py hash --out bench/results              # CPU only: the hashing
+    python bench/bench_verify.py hash                                  # CPU only: the hashing
     python bench/bench_verify.py gpu --model qwen3-8b --tp 2           # a GPU node (2 GPUs)
     python bench/bench_verify.py gpu --model deepseek-v3 --layers 5 --tp 2
 
@@ -18,6 +18,9 @@ a plain update, then `--verify` against a receiver that offers compare_checksum 
 sglang-pr17009: every rank hashes its share while the update runs, the leader sends every
 SHA-256), then `--verify-round-trip --reset-served-weights` against an SGLang 0.5.23 one. The
 receiver's own part (its GPU-to-host copies and hashing, not SGLang's code) is timed apart.
+
+Writes verify-hash-cpu or verify-<model>-tp<N> (.json, .md) to --out (bench/results/ by default,
+replacing the previous run's), with the commit, date and machine.
 """
 
 from __future__ import annotations
@@ -207,7 +210,7 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from bench_update import start_receiver, write_checkpoint
 
-    out = Path(args.out)
+    out = Path(args.logs or Path(args.workdir) / "logs")  # each run's stderr
     out.mkdir(parents=True, exist_ok=True)
     label = args.model if args.layers is None else f"{args.model}-{args.layers}layers"
     specs = model_specs(args.model, args.layers if args.model == "deepseek-v3" else None)
@@ -311,9 +314,10 @@ def main() -> None:
     parser.add_argument("--max-gb", type=float, default=2.0, help="hash: the most to allocate")
     parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--logs", help="where each run's stderr goes (default: WORKDIR/logs)")
     parser.add_argument("--extra", default="", help="more flags for ckptctl update")
     args = parser.parse_args()
-    from bench_update import write_results
+    from result_files import write_results
 
     if args.mode == "hash":
         import platform

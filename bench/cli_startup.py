@@ -5,11 +5,13 @@
 Times, a process each (median of 10 after 2 warm-up runs): `ckptctl status --json` against a
 control socket that does not exist (the command starts, finds no job, exits 1), `python -c` with
 `ckptctl.client.status` doing the same, and a bare `python -c pass`. The gap between the first
-two is what the CLI costs a push on top of `ckptctl.client.push`.
+two is what the CLI costs a push on top of `ckptctl.client.push`. Writes cli-startup.{json,md}
+to bench/results/ (or --out), replacing the previous run's, with the commit, date and machine.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import subprocess
 import sys
@@ -35,13 +37,29 @@ def median_seconds(cmd: list[str], runs: int = 12, warm_up: int = 2) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="default: bench/results/")
+    args = parser.parse_args()
+    from result_files import RESULTS, write_results
+
     cli = median_seconds(["ckptctl", "status", "--control-socket", NO_JOB, "--json"])
     client = median_seconds([sys.executable, "-c", CLIENT])
     bare = median_seconds([sys.executable, "-c", "pass"])
-    print(
-        f"ckptctl status: {cli:.3f} s; python + ckptctl.client.status: {client:.3f} s; "
-        f"bare python: {bare:.3f} s; CLI minus client: {cli - client:.3f} s"
+    doc = {
+        "cli_s": cli,
+        "client_s": client,
+        "bare_python_s": bare,
+        "cli_minus_client_s": cli - client,
+    }
+    md = (
+        "# The CLI's start-up against the Python client\n\n    python bench/cli_startup.py\n\n"
+        "| `ckptctl status` | python + `ckptctl.client.status` | bare python | CLI minus client |\n"
+        "| --- | --- | --- | --- |\n"
+        f"| {cli:.3f} s | {client:.3f} s | {bare:.3f} s | {cli - client:.3f} s |\n\n"
+        "Medians of 10 (after 2 warm-up runs), a process each, against a control socket that "
+        "does not exist.\n"
     )
+    write_results(args.out or RESULTS, "cli-startup", doc, md)
 
 
 if __name__ == "__main__":

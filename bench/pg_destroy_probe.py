@@ -3,6 +3,9 @@ the idle time before it? (Run under torchrun, 2 GPUs.) If it is about 0.5 s minu
 NCCL's proxy thread (poll with a 500 ms timeout) is what the update's fixed second waits on.
 
     torchrun --nproc-per-node 2 bench/pg_destroy_probe.py
+
+Rank 0 writes pg-destroy-probe-tp<N>.json to bench/results/ (or $OUT when set), replacing the
+previous run's, with the commit, date and machine.
 """
 
 from __future__ import annotations
@@ -49,8 +52,13 @@ def main() -> None:
     gc.collect()
     frozen_s = time.perf_counter() - t
     if rank == 0:
-        print(json.dumps({"destroy_probe": rows, "gc_collect_s": round(gc_s, 4),
-                          "gc_collect_after_freeze_s": round(frozen_s, 4)}))  # fmt: skip
+        from result_files import RESULTS, write_results
+
+        doc = {"destroy_probe": rows, "gc_collect_s": round(gc_s, 4),
+               "gc_collect_after_freeze_s": round(frozen_s, 4)}  # fmt: skip
+        print(json.dumps(doc))
+        out = os.environ.get("OUT") or RESULTS
+        write_results(out, f"pg-destroy-probe-tp{world}", doc, None)
 
 
 if __name__ == "__main__":

@@ -64,9 +64,8 @@ class ResponseTooLarge(httpx.TransportError):
 
 class EncodedResponse(httpx.TransportError):
     """The server compressed its answer. The cap counts bytes on the wire, and httpx would
-    decode them without one: a few kB of gzip inside gzip decode to gigabytes (found in an
-    adversarial review). SGLang and vLLM never compress; we ask for plain answers and read
-    nothing else."""
+    decode them without one: a few kB of gzip inside gzip decode to gigabytes. SGLang and vLLM
+    never compress; we ask for plain answers and read nothing else."""
 
     def __init__(self, encoding: str, request: httpx.Request | None = None) -> None:
         super().__init__(

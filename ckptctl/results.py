@@ -123,9 +123,9 @@ def leave_group_to_exit(code: int) -> None:
     """End the process now if this job left its NCCL process group alive; else return.
 
     The group is kept from one update to the next (ParameterServerSession.ensure_group) and
-    not destroyed at the end: destroying an NCCL communicator waits up to 0.5 s for its proxy
-    thread's poll tick, and by the time this is called our buffers are unregistered and the
-    results printed. The process's exit releases the rest.
+    not destroyed at the end: destroying an NCCL communicator waits for its proxy thread's
+    next poll tick (bench/README.md), and by the time this is called our buffers are
+    unregistered and the results printed. The process's exit releases the rest.
     """
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_available():

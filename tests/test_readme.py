@@ -5,6 +5,7 @@ bench/README.md, each with a results file that exists."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -106,3 +107,21 @@ def test_measured_figures_live_in_bench_readme_with_their_results_files() -> Non
     assert len(cited) >= 10
     missing = [name for name in cited if not (ROOT / "bench" / "results" / name).is_file()]
     assert not missing
+
+
+def test_each_results_file_is_indexed_with_its_commit_date_and_machine() -> None:
+    """bench/results holds one current file per benchmark, no logs; each is in the index (a
+    .json beside the .md it goes with) and says where it was made."""
+    results = ROOT / "bench" / "results"
+    names = sorted(p.name for p in results.iterdir() if p.is_file())
+    index = BENCH_README[BENCH_README.index("## Index") :]
+    for name in names:
+        assert re.fullmatch(r"[a-z0-9.-]+\.(md|json)", name), name
+        stem = name.rsplit(".", 1)[0]
+        assert f"`results/{name}`" in index or f"`results/{stem}.md`" in index, name
+        text = (results / name).read_text()
+        if name.endswith(".md"):
+            assert text.split("\n")[2].startswith("Commit "), name
+        else:
+            made = json.loads(text)["provenance"]
+            assert made["commit"] and made["date"] and made["machine"], name

@@ -93,5 +93,5 @@ def _print_traceback() -> None:
 def _fail(code: int, message: str) -> NoReturn:
     print_error(message)
     results.write_failure(code, message)
-    results.leave_group_to_exit(code)  # a GPU job: no 0.5 s NCCL teardown (see there)
+    results.leave_group_to_exit(code)  # a GPU job: no NCCL teardown to wait for (see there)
     raise typer.Exit(int(code)) from None

@@ -263,7 +263,7 @@ class Coordinator:
         its calls, and a long wait would starve the watchdog's heartbeats on the same client."""
         deadline = time.monotonic() + max(timeout_s, 1.0)
         # The others are usually a few milliseconds behind: look again soon, then less often
-        # (a fixed 50 ms cost a serve push about 0.1 s over its three waits).
+        # (a fixed 50 ms pause would add up to that much to every wait of every push).
         pause = 0.001
         while not self.store.check(keys):
             if self.scope:

@@ -1,11 +1,11 @@
 """The job's NCCL process group, built in a background thread while the rank starts up.
 
 checkpoint-engine gathers metas and broadcasts buckets over a torch.distributed group. Built
-the way it builds it (`init_process_group` at the first gather), the group costs about 0.85 s
-on the critical path of every run on 2x H200: the rendezvous, then NCCL's communicator and its
-connections at the first collective. None of that needs the checkpoint or the
-ParameterServer, so it runs in a thread from the moment CUDA is known to be there, alongside
-the ParameterServer's own start (CUDA context, its store) and the read of the share.
+the way it builds it (`init_process_group` at the first gather), the group's rendezvous, NCCL's
+communicator and its connections at the first collective all sit on the critical path of every
+run (bench/README.md). None of that needs the checkpoint or the ParameterServer, so it runs in
+a thread from the moment CUDA is known to be there, alongside the ParameterServer's own start
+(CUDA context, its store) and the read of the share.
 
 The group is torch.distributed's default group (what checkpoint-engine's `dist` uses), met
 through the job's store (torchrun's agent store, see coordination.py), and bound to this
