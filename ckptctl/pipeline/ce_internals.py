@@ -56,5 +56,7 @@ def version_problem() -> str | None:
     if version is None:
         return f"{DISTRIBUTION} is not installed: {want}"
     if not _satisfies(version, WRITTEN_FOR):
-        return f"{DISTRIBUTION} {version} is installed; ckptctl was written for {WRITTEN_FOR}: {want}"
+        return (
+            f"{DISTRIBUTION} {version} is installed; ckptctl was written for {WRITTEN_FOR}: {want}"
+        )
     return None
