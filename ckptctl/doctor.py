@@ -23,9 +23,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ckptctl.errors import redact
+
+if TYPE_CHECKING:  # (httpx stays out of the import until a server is asked about)
+    from ckptctl.server import ServerAddress
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -426,7 +429,7 @@ def machine_checks() -> list[Check]:
 
 def server_addresses(
     endpoints: Sequence[str] | None, uds: Sequence[str] | None, api_key: str | None
-) -> list[Any]:
+) -> list[ServerAddress]:
     """The servers asked about: one per --endpoint (or --uds), paired in order as update pairs
     them; a usage error (exit 2) for a URL that is none or lists that do not pair."""
     from ckptctl.defaults import DEFAULT_ENDPOINT
@@ -461,7 +464,7 @@ class Identity:
     check: Check
 
 
-def identify(address: Any, timeout: float) -> Identity:
+def identify(address: ServerAddress, timeout: float) -> Identity:
     """Whether the server answers like SGLang (its model-info routes) or like vLLM (/health and
     the dev-mode /collective_rpc that checkpoint-engine's updates go through)."""
     import httpx
@@ -547,7 +550,7 @@ def identify(address: Any, timeout: float) -> Identity:
     )
 
 
-def check_weights_checker(address: Any, engine: str, timeout: float) -> Check:
+def check_weights_checker(address: ServerAddress, engine: str, timeout: float) -> Check:
     """Which of --verify's actions the server's weights checker offers (verify.probe)."""
     from ckptctl.errors import CkptctlError
     from ckptctl.verify import CHECKER_PATH, CHECKSUM, COMPARE_CHECKSUM, Checker, probe
@@ -595,7 +598,7 @@ def check_weights_checker(address: Any, engine: str, timeout: float) -> Check:
     return ok(name, f"{where}: {', '.join(actions)}: {how}", needed=False, **listed)
 
 
-def server_checks(addresses: Sequence[Any], timeout: float) -> list[Check]:
+def server_checks(addresses: Sequence[ServerAddress], timeout: float) -> list[Check]:
     checks = []
     for address in addresses:
         start = time.monotonic()
@@ -607,6 +610,6 @@ def server_checks(addresses: Sequence[Any], timeout: float) -> list[Check]:
     return checks
 
 
-def run(addresses: Sequence[Any] = (), *, timeout: float = 10.0) -> Report:
+def run(addresses: Sequence[ServerAddress] = (), *, timeout: float = 10.0) -> Report:
     """Every check: this machine's, then each server's (each within `timeout` seconds)."""
     return Report([*machine_checks(), *server_checks(addresses, timeout)])
