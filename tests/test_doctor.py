@@ -7,15 +7,11 @@ down, one that is neither, one that never answers, and under lowered limits.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import json
 import os
 import resource
 import sys
-import threading
-from collections.abc import Iterator
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -237,24 +233,6 @@ def test_an_api_key_the_server_wants(capsys: pytest.CaptureFixture[str]) -> None
     assert _by_name(with_key)["server"][0]["status"] == "ok"
     assert _by_name(with_key)["weights-checker"][0]["actions"] == ["checksum", "compare"]
     assert "sekrit-key-123" not in json.dumps(with_key)
-
-
-class _QuietHandler(SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-        pass
-
-
-@pytest.fixture
-def http_server(tmp_path: Path) -> Iterator[str]:
-    """Python's own `http.server` on an empty folder: 404 on every route of both engines."""
-    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.daemon = True
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
 
 
 def test_a_server_that_is_neither(capsys: pytest.CaptureFixture[str], http_server: str) -> None:
