@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import shutil
@@ -9,9 +10,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,25 @@ def refused_endpoint() -> Iterator[str]:
     held, not listening, so no test running beside this one can open a server there."""
     with reserved_port() as sock:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+@pytest.fixture
+def http_server(tmp_path: Path) -> Iterator[str]:
+    """`python -m http.server` serving an empty folder, on loopback: a foreign server, which
+    answers 404 (with an HTML page) on every path SGLang and vLLM answer, 501 to every POST."""
+    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.daemon = True
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
 
 
 @pytest.fixture

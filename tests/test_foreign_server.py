@@ -11,12 +11,8 @@ server that answers it with 404 is not one of them, and waiting longer cannot ch
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
-import threading
-from collections.abc import Iterator
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -29,24 +25,6 @@ from ckptctl.server import MESSAGE_CHARS, ServerAddress, UpdateRefused, push_upd
 FOREIGN = "this does not answer like SGLang or vLLM (check --endpoint)"
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))
-
-
-class _QuietHandler(SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-        pass
-
-
-@pytest.fixture
-def http_server(tmp_path: Path) -> Iterator[str]:
-    """`python -m http.server` serving an empty folder, on loopback."""
-    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.daemon = True
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
 
 
 def _error_lines(stderr: str) -> list[str]:

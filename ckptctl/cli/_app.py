@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from ckptctl import __version__, results
-from ckptctl.cli import _completion, join, metas, save_metas, serve, update, wait_ready
+from ckptctl.cli import _completion, doctor, join, metas, save_metas, serve, update, wait_ready
 from ckptctl.cli._errors import handle_errors
 from ckptctl.cli._help import epilog, panel_of, with_short_help
 from ckptctl.cli._options import FLAG, show_help
@@ -68,6 +68,7 @@ def _root(
 
 # In the overview's order (_help.PANELS): one-shot, the resident job, metas files and p2p.
 COMMANDS: dict[str, Callable[..., None]] = {
+    "doctor": doctor.doctor_command,
     "wait-ready": wait_ready.wait_ready_command,
     "update": update.update_command,
     "serve": serve.serve_command,

@@ -34,7 +34,7 @@ COMPLETION_HELP = (
 
 # Commands by how they are used, as the overview groups them.
 PANELS: dict[str, tuple[str, ...]] = {
-    "One-shot: check, then update under torchrun": ("wait-ready", "update"),
+    "One-shot: check, then update under torchrun": ("doctor", "wait-ready", "update"),
     "Resident job: serve under torchrun, then push from the node": (
         "serve",
         "push",
@@ -53,10 +53,15 @@ OVERVIEW_EXAMPLES = [
     "torchrun --nproc-per-node 8 --no-python ckptctl serve &",
     "ckptctl push --wait 600 --checkpoint-path DIR",
     "ckptctl update -h",
+    "ckptctl doctor --endpoint http://localhost:19730",
 ]
 
 # A line ending in a backslash continues the command on the next.
 EXAMPLES: dict[str, list[str]] = {
+    "doctor": [
+        "ckptctl doctor",
+        "ckptctl doctor --endpoint http://localhost:19730 --json",
+    ],
     "wait-ready": [
         "ckptctl wait-ready --timeout 600 && torchrun ... ckptctl update ...",
         "ckptctl wait-ready --for healthy --weight-version step-7 --timeout 60",
@@ -98,6 +103,12 @@ EXAMPLES: dict[str, list[str]] = {
 # The flags that matter most, per command, for `-h`: (flag as typed, what it does). Defaults
 # come from the command's signature.
 MAIN_FLAGS: dict[str, list[tuple[str, str]]] = {
+    "doctor": [
+        ("--endpoint URL", "also check this server (once per server)"),
+        ("--api-key KEY", "the server's key, for its weights checker"),
+        ("--timeout SECONDS", "how long each server may take to answer"),
+        ("--json", "one JSON document on stdout"),
+    ],
     "wait-ready": [
         ("--endpoint URL", "the server's base URL"),
         ("--for STATE", "listening (any HTTP answer) or healthy (HTTP 200)"),

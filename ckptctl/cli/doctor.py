@@ -1,0 +1,76 @@
+"""`ckptctl doctor`: check what a first run needs, one line per check (ckptctl/doctor.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckptctl.cli._options import (
+    SERVER,
+    ApiKeyOpt,
+    EndpointsOpt,
+    HelpOpt,
+    JsonOpt,
+    UdsListOpt,
+    at_least,
+)
+from ckptctl.cli._output import Output
+from ckptctl.errors import OperationFailed, redact
+
+STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+
+
+def doctor_command(
+    endpoint: EndpointsOpt = None,
+    uds: UdsListOpt = None,
+    api_key: ApiKeyOpt = None,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            "--timeout",
+            metavar="SECONDS",
+            callback=at_least(0.1),
+            rich_help_panel=SERVER,
+            help="Seconds each server may take to answer all of doctor's questions.",
+        ),
+    ] = 10,
+    json_output: JsonOpt = False,
+    show_help: HelpOpt = False,
+) -> None:
+    """Check what a first run needs (CUDA, the GPUs, checkpoint-engine, torchrun, limits,
+    /dev/shm, RDMA, the servers) and say what to fix.
+
+    One line per check on stdout: ok, warn or fail, with the fix on the next line. Each GPU
+    torch sees is listed with its UUID, checkpoint-engine's version is checked against the
+    range ckptctl was written for, and each --endpoint (the same list update takes) is asked
+    whether it answers like SGLang or vLLM and which weights-checker actions it offers.
+
+    A check fails where update, serve or join cannot run without it (CUDA, checkpoint-engine,
+    torchrun, each server given); the others only warn (RDMA and ulimit -l matter for p2p
+    only, the weights checker for --verify only). Exit 0 when no check fails, 1 otherwise.
+    Asking a weights checker without compare_checksum for its actions makes the server hash
+    its weights once, as --verify does.
+    """
+    from rich.text import Text
+
+    from ckptctl import doctor
+
+    out = Output(json_mode=json_output)
+    addresses = doctor.server_addresses(endpoint, uds, api_key)  # bad flags: exit 2 first
+    report = doctor.run(addresses, timeout=timeout)
+    if json_output:
+        out.result(report.as_json(), ok=not report.failed)
+    else:
+        column = max(len(c.name) for c in report.checks) + 2
+        for check in report.checks:
+            line = Text()
+            line.append(f"{check.status:<6}", style=STYLES[check.status])
+            line.append(f"{check.name:<{column}}{redact(check.detail)}")
+            if check.fix:
+                line.append(f"\n{'':<6}{'':<{column}}fix: {redact(check.fix)}")
+            out.show(line)
+        if not report.failed:
+            out.show(report.summary())
+    if report.failed:
+        raise OperationFailed(report.summary())
