@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
+from ckptctl.cli._observe_options import MetricsHostOpt, MetricsPortOpt
 from ckptctl.cli._options import (
     FLAG,
     SERVE_JOB,
@@ -157,6 +158,8 @@ def serve_command(
             "pinned memory (else the node holds it twice). Needs --register-mode direct.",
         ),
     ] = False,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "127.0.0.1",
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -181,6 +184,11 @@ def serve_command(
             "--drop-page-cache needs --register-mode direct (checkpoint-engine's copy reads "
             "through the file mapping)"
         )
+    if metrics_port is not None:
+        from ckptctl.observe.metrics import missing_package
+
+        if missing_package():
+            raise UsageError(str(missing_package()))
     out = Output(json_mode=json_output, quiet=quiet)
     opts = ServeOptions(
         servers=ServerTargets.from_flags(
@@ -202,6 +210,7 @@ def serve_command(
         mem_fraction=mem_fraction,
         verbose=verbose,
         drop_page_cache=drop_page_cache,
+        metrics=(metrics_host, metrics_port) if metrics_port is not None else None,
     )
     run_job_with_display(run_serve, opts, out)
 

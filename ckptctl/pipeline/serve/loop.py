@@ -245,8 +245,10 @@ class ServeLoop:
         state: dict[str, Any],
         targets: list[str],
         restore: bool = True,
+        metrics: Any = None,
     ) -> None:
         self.job = job
+        self.metrics = metrics  # observe.metrics.ServeMetrics (serve --metrics-port), rank 0
         self.execute = execute
         self.channel = channel
         self.push_timeout = push_timeout
@@ -417,6 +419,8 @@ class ServeLoop:
         job = self.job
         job.watchdog.on_signal = self._on_signal
         job.watchdog.deadline = float("inf")  # serving is not bounded; each push is
+        if self.metrics is not None:
+            self.metrics.idle()
         try:
             while True:
                 if self.rank == 0:
@@ -444,6 +448,8 @@ class ServeLoop:
                     pending.finish(merged)
         finally:
             job.watchdog.on_signal = None
+            if self.metrics is not None:
+                self.metrics.stopping()
             with self._lock:
                 self.state.stopping = True
                 left, self._queue = list(self._queue), collections.deque()
@@ -454,10 +460,15 @@ class ServeLoop:
 
     def _run(self, command: dict[str, Any]) -> dict[str, Any]:
         self.state.begin(command)
+        if self.metrics is not None:
+            self.metrics.busy()
         merged = self._run_everywhere(command)
+        stages = self.job.reporter.figures.stages  # (this push's: a restore starts its own)
         if merged["server_weights"] == "partial":
             self._restore(merged)
         self.state.record(merged)
+        if self.metrics is not None:
+            self.metrics.pushed(merged, stages, self.state.weights)
         if self.rank == 0:
             what = f"{merged['action']} {merged['seq']} ({merged['checkpoint_path']})"
             self.job.reporter.log(
@@ -577,6 +588,7 @@ def serve_loop(
     state: dict[str, Any] | None = None,
     targets: list[str] | None = None,
     restore: bool = True,
+    metrics: Any = None,
 ) -> str:
     """Serve commands until a stop; returns why it stopped.
 
@@ -597,6 +609,7 @@ def serve_loop(
             state=state if state is not None else {},
             targets=targets or [],
             restore=restore,
+            metrics=metrics,
         )
         # Every rank is in the group: learn where each one runs (status names rank 0's host).
         hosts = channel.gather({"host": socket.gethostname()}, TICK_TIMEOUT_S)
