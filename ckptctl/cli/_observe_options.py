@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli._options import OUTPUT, SERVE_JOB, at_least
+from ckptctl.cli._output import Output
 
 
 class LogFormatChoice(str, Enum):
@@ -61,3 +62,20 @@ LogFormatOpt = Annotated[
         "message, figures), for log collectors.",
     ),
 ]
+
+
+def use_log_format(out: Output, log_format: LogFormatChoice) -> None:
+    """--log-format json: stderr as JSON lines from here on, and no live view."""
+    if log_format == LogFormatChoice.json:
+        from ckptctl.observe import logs
+
+        logs.use_json()
+        out.interactive = False
+
+
+def want_trace(out: Output, trace: Path | None) -> None:
+    """--trace FILE: checked now (exit 2 where it cannot be written); the job writes it."""
+    if trace is not None:
+        from ckptctl.observe import timeline
+
+        timeline.request(trace, primary=out.is_primary)
