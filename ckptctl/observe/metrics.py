@@ -10,6 +10,7 @@ the push holds. prometheus_client is imported only here, and only when metrics a
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import time
@@ -169,7 +170,15 @@ class ServeMetrics:
         self, merged: dict[str, Any], stages: list[Any], served: dict[str, Any] | None
     ) -> None:
         """One push is over: `merged` is its answer, `stages` rank 0's StageFigures of it,
-        `served` the whole checkpoint the server holds (the loop's history)."""
+        `served` the whole checkpoint the server holds (the loop's history). Metrics must
+        never end the job: whatever goes wrong here is dropped."""
+        with contextlib.suppress(Exception):
+            self._pushed(merged, stages, served)
+        self.state.state("idle")
+
+    def _pushed(
+        self, merged: dict[str, Any], stages: list[Any], served: dict[str, Any] | None
+    ) -> None:
         outcome = outcome_of(merged)
         self.pushes.labels(outcome).inc()
         self.duration.observe(float(merged.get("wall_s") or 0.0))
@@ -195,7 +204,6 @@ class ServeMetrics:
                     "server_weights": self._server_weights,
                 }
             )
-        self.state.state("idle")
 
 
 def start(host: str, port: int, pinned_bytes: Callable[[], Any]) -> ServeMetrics:
