@@ -10,7 +10,9 @@ chrome://tracing), one process per rank (pid = rank) and one track per thread:
 
 There is no second timing system: a stage's events come from its StageFigures (its start and
 its seconds), the buckets from one hook in the socket wrapper, which records only while a
-trace is wanted. Rank 0 gathers every rank's events through the job's store and writes FILE.
+trace is wanted. Rank 0 gathers every rank's events through the job's store and writes FILE:
+for update and join once the job succeeded (a failing job's ranks may be gone), for a push
+whatever its outcome (its result comes back from every rank anyway).
 
 FILE is written safely (`check_path`, `write`): into a new temporary file beside it (O_EXCL,
 mode 0600), then renamed over it, so that a symlink planted at FILE is replaced, never
