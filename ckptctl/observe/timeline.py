@@ -122,16 +122,17 @@ def document(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def check_path(path: str | os.PathLike[str]) -> str:
+def check_path(path: str | os.PathLike[str], what: str = "--trace") -> str:
     """FILE as an absolute path (its last part not resolved: a symlink there is refused, never
-    followed), or a UsageError saying why it cannot be written."""
+    followed), or a UsageError saying why it cannot be written (`what`: how it names FILE's
+    flag or argument)."""
     full = os.path.abspath(os.fspath(path))
     where = os.path.dirname(full)
     if not os.path.isdir(where):
-        raise UsageError(f"--trace {path}: no directory {where}")
+        raise UsageError(f"{what} {path}: no directory {where}")
     problem = _not_a_trace(full)
     if problem:
-        raise UsageError(f"--trace {path}: {problem}; name a new file (or a trace written before)")
+        raise UsageError(f"{what} {path}: {problem}; name a new file (or a trace written before)")
     return full
 
 
@@ -156,17 +157,17 @@ def _not_a_trace(path: str) -> str | None:
     return None
 
 
-def write(path: str, events: list[dict[str, Any]]) -> int:
+def write(path: str, events: list[dict[str, Any]], what: str = "--trace") -> int:
     """Write the trace of `events` to `path` (see the module's docstring); returns how many
     events it holds. Raises UsageError or OSError."""
-    full = check_path(path)
+    full = check_path(path, what)
     fd, tmp = tempfile.mkstemp(prefix=".ckptctl-trace-", dir=os.path.dirname(full))
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(document(events), fh, separators=(",", ":"))
         problem = _not_a_trace(full)  # (checked again: it may have appeared meanwhile)
         if problem:
-            raise UsageError(f"--trace {path}: {problem}")
+            raise UsageError(f"{what} {path}: {problem}")
         os.replace(tmp, full)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -220,6 +221,6 @@ def push_trace(path: str, ranks: list[dict[str, Any]], *, write_it: bool) -> dic
     if not write_it:
         return {"path": path}
     try:
-        return {"path": path, "events": write(path, events)}
+        return {"path": path, "events": write(path, events, what="trace")}
     except (UsageError, OSError) as exc:
         return {"path": path, "error": str(exc)}
