@@ -113,6 +113,7 @@ def push(
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     push_id: str | None = None,
     names: Names = ARGUMENTS,
+    trace: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Push a checkpoint through the serve job and wait for it: the job's answer (`ok`,
     `wall_s`, `server_weights`, `verified`, every rank's figures...), which is also
@@ -123,9 +124,11 @@ def push(
 
     on_progress: called about once a second, while the push waits or runs, with what `status`
     says of it (`running`: stage, detail, bytes_done...). push_id: a name of the caller's for
-    this push, which `cancel(push_id)` gives up."""
+    this push, which `cancel(push_id)` gives up. trace: a file for the push's timeline on
+    every rank (Chrome trace-event JSON, written by the job: ckptctl.observe.timeline); the
+    answer's `trace` says where, or why not."""
     path = find_job(control_socket, endpoint, uds, wait, names=names)
-    body = {
+    body: dict[str, Any] = {
         "checkpoint_path": os.path.realpath(os.fspath(checkpoint_path)),
         "weight_version": weight_version,
         "checkpoint_name": checkpoint_name,
@@ -134,6 +137,10 @@ def push(
         "allow_layout_change": allow_layout_change,
         "push_id": push_id,
     }
+    if trace is not None:  # (checked here too: a bad path fails before the push runs)
+        from ckptctl.observe.timeline import check_path
+
+        body["trace"] = check_path(trace, "--trace" if names.timeout.startswith("-") else "trace=")
     with _watching(path, on_progress):
         answer = request(path, "POST", "/push", body, timeout, flag=names.timeout)
     return raise_if_failed(answer) if check else answer

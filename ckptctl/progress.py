@@ -72,6 +72,7 @@ class StageFigures:
     # (what -> seconds, each over all the bytes: {"read": 1.38, "pin": 3.37}). The stage's own
     # time is then only its wait for that work: it has no rate of its own.
     background: dict[str, float] = field(default_factory=dict)
+    background_started: float | None = field(default=None, repr=False)  # (its perf_counter)
 
     @property
     def title(self) -> str:

@@ -93,3 +93,11 @@ def test_a_client_flag_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert kw is not None and kw["control_socket"] == "/run/x.sock"
     monkeypatch.setenv("CKPTCTL_ENDPOINT", "http://a http://b")
     assert _fast.parse(serve.status_command, []) is None  # a list: Typer splits it
+
+
+@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"], ["update", "--help"]])
+def test_help_imports_no_metrics_library(args: list[str]) -> None:
+    """prometheus_client comes in only with `serve --metrics-port` (ckptctl.observe.metrics)."""
+    r, names = _imported(*args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "prometheus_client" not in names and not names & HEAVY - {"pydantic", "pydantic_core"}

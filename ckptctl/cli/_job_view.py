@@ -17,10 +17,13 @@ def run_job_with_display(
     run: Callable[..., dict[str, Any]], opts: Any, out: Output
 ) -> dict[str, Any]:
     """Run one of the pipeline's jobs on this rank and print its result (rank 0)."""
+    from ckptctl.observe import logs
     from ckptctl.progress import Reporter, RichReporter
 
-    if out.interactive:
-        reporter: Reporter = RichReporter(out.err, quiet=out.quiet)
+    if logs.active():  # --log-format json
+        reporter: Reporter = logs.JsonReporter(primary=out.is_primary, quiet=out.quiet)
+    elif out.interactive:
+        reporter = RichReporter(out.err, quiet=out.quiet)
     else:
         # Another rank whose stderr is a terminal shares it with rank 0 (torchrun's ranks of a
         # node inherit one): its lines would tear rank 0's live view, so it keeps quiet there

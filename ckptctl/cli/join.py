@@ -9,6 +9,13 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli._choices import EngineChoice
+from ckptctl.cli._observe_options import (
+    LogFormatChoice,
+    LogFormatOpt,
+    TraceOpt,
+    use_log_format,
+    want_trace,
+)
 from ckptctl.cli._options import (
     CHECKPOINT,
     AllowPickleOpt,
@@ -51,6 +58,8 @@ def join_command(
     timeout: TimeoutOpt = 600,
     api_key: ApiKeyOpt = None,
     verify: VerifyOpt = False,
+    trace: TraceOpt = None,
+    log_format: LogFormatOpt = LogFormatChoice.text,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -67,6 +76,8 @@ def join_command(
     from ckptctl.verify import requested
 
     out = Output(json_mode=json_output, quiet=quiet)
+    use_log_format(out, log_format)
+    want_trace(out, trace)
     wanted = requested(verify=verify, round_trip=False, reset_confirmed=False, engine=engine.value)
     opts = JoinOptions(
         load_metas_file=str(load_metas_file),

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli._choices import RegisterModeChoice, SplitChoice
+from ckptctl.cli._observe_options import LogFormatChoice, LogFormatOpt, use_log_format
 from ckptctl.cli._options import (
     CHECKPOINT,
     TRANSFER,
@@ -57,6 +58,7 @@ def save_metas_command(
         ),
     ] = None,
     timeout: TimeoutOpt = 600,
+    log_format: LogFormatOpt = LogFormatChoice.text,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -72,6 +74,7 @@ def save_metas_command(
     from ckptctl.pipeline.metas_jobs import SaveMetasOptions, run_save_metas
 
     out = Output(json_mode=json_output, quiet=quiet)
+    use_log_format(out, log_format)
     opts = SaveMetasOptions(
         checkpoint_path=str(checkpoint_path),
         metas_file=str(metas_file),

@@ -13,6 +13,14 @@ from typing import Annotated, Any
 import typer
 
 from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
+from ckptctl.cli._observe_options import (
+    LogFormatChoice,
+    LogFormatOpt,
+    MetricsHostOpt,
+    MetricsPortOpt,
+    TraceOpt,
+    use_log_format,
+)
 from ckptctl.cli._options import (
     FLAG,
     SERVE_JOB,
@@ -157,6 +165,9 @@ def serve_command(
             "pinned memory (else the node holds it twice). Needs --register-mode direct.",
         ),
     ] = False,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "127.0.0.1",
+    log_format: LogFormatOpt = LogFormatChoice.text,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -181,7 +192,13 @@ def serve_command(
             "--drop-page-cache needs --register-mode direct (checkpoint-engine's copy reads "
             "through the file mapping)"
         )
+    if metrics_port is not None:
+        from ckptctl.observe.metrics import missing_package
+
+        if missing_package():
+            raise UsageError(str(missing_package()))
     out = Output(json_mode=json_output, quiet=quiet)
+    use_log_format(out, log_format)
     opts = ServeOptions(
         servers=ServerTargets.from_flags(
             endpoints=endpoint,
@@ -202,6 +219,7 @@ def serve_command(
         mem_fraction=mem_fraction,
         verbose=verbose,
         drop_page_cache=drop_page_cache,
+        metrics=(metrics_host, metrics_port) if metrics_port is not None else None,
     )
     run_job_with_display(run_serve, opts, out)
 
@@ -235,6 +253,7 @@ def push_command(
     uds: FindUdsOpt = None,
     wait: WaitOpt = 0,
     timeout: AnswerTimeoutOpt = 900,
+    trace: TraceOpt = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
@@ -264,6 +283,7 @@ def push_command(
             timeout=timeout,
             check=False,
             names=FLAGS,
+            trace=trace,
             **kw,
         ),
     )
@@ -315,6 +335,11 @@ def run_command(out: Output, path: str, send: Any) -> None:
     progress.clear()
     if out.json_mode:
         out.result(doc, ok=bool(doc.get("ok")))
+    trace = doc.get("trace") or {}
+    if trace.get("error"):
+        out.warn(f"no trace written: {trace['error']}")
+    elif trace:
+        out.log(f"trace: {trace['path']} ({trace.get('events')} events)")
     client.raise_if_failed(doc)
     verified = f"; verified: {doc['verified']}" if doc.get("verified") else ""
     what = "rolled back to push {restores}".format(**doc) if doc.get("restores") else "pushed"

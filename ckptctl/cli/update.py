@@ -12,6 +12,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice, UpdateMethodChoice
+from ckptctl.cli._observe_options import (
+    LogFormatChoice,
+    LogFormatOpt,
+    TraceOpt,
+    use_log_format,
+    want_trace,
+)
 from ckptctl.cli._options import (
     CHECKPOINT,
     DRY_RUN,
@@ -161,6 +168,8 @@ def update_command(
             f"Default: {DRY_RUN_NODE_SIZE}, or the world size if smaller.",
         ),
     ] = None,
+    trace: TraceOpt = None,
+    log_format: LogFormatOpt = LogFormatChoice.text,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -173,6 +182,7 @@ def update_command(
     """
     launch = launch_info()
     out = Output(json_mode=json_output, quiet=quiet, launch=launch)
+    use_log_format(out, log_format)
     # A dry run on a laptop plans one server group by default: a world of 1 would refuse the
     # default --inference-parallel-size 8 before the checkpoint is even looked at.
     world = resolve_world_size(launch, world_size, inference_parallel_size if dry_run else 1)
@@ -210,6 +220,8 @@ def update_command(
             timeout=timeout,
             api_key=api_key,
             verify=verify,
+            trace=trace,
+            log_format=log_format,
             verbose=verbose,
             json_output=json_output,
             quiet=quiet,
@@ -233,6 +245,8 @@ def update_command(
     )
     mode = "consume" if consume_shm_files else register_mode.value
     if dry_run:
+        if trace is not None:
+            raise UsageError("--trace goes with an update, not --dry-run")
         world_given = world_size is not None or launch.under_torchrun
         plan_dry_run(
             out, launch, servers, checkpoint_path, split.value, mode, world, nproc_per_node
@@ -247,6 +261,8 @@ def update_command(
 
     from ckptctl.cli._job_view import run_job_with_display
     from ckptctl.pipeline.update import UpdateOptions, run_update
+
+    want_trace(out, trace)
 
     opts = UpdateOptions(
         checkpoint_path=str(checkpoint_path),

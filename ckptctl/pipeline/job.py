@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from ckptctl.errors import CkptctlError, ExitCode, OperationFailed
 from ckptctl.launch import LaunchInfo, launch_info
+from ckptctl.observe import timeline
 from ckptctl.pipeline.coordination import PAST_DEADLINE_S, Coordinator, StoppedByPeer, Watchdog
 from ckptctl.pipeline.node_progress import NodeProgress
 from ckptctl.progress import Reporter
@@ -147,7 +148,10 @@ def run_job(
     node = NodeProgress.start(launch, coordinator, reporter)  # rank 0 draws the whole node
     with watchdog:
         try:
-            return body(Job(launch, coordinator, watchdog, reporter))
+            job = Job(launch, coordinator, watchdog, reporter)
+            result = body(job)
+            timeline.finish(job)  # --trace: every rank's stages, written by rank 0
+            return result
         except CkptctlError as exc:
             # (A stop every rank has read needs no abort: the rank that was signalled ends 0.)
             if coordinator is not None and not isinstance(exc, StoppedByPeer):

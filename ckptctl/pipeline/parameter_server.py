@@ -39,6 +39,7 @@ from ckptctl.errors import (
     OperationFailed,
     print_error,
 )
+from ckptctl.observe import timeline
 from ckptctl.pipeline.coordination import PAST_DEADLINE_S
 
 
@@ -113,6 +114,7 @@ class ReplyWatchingSocket:
         # Progress: called with a bucket's bytes once the worker's reply says it has loaded it.
         self.on_bucket = on_bucket
         self._bucket_in_flight = 0
+        self._bucket_sent_at = 0.0
         self._nones_sent = 0
         self.handle: Any = None  # the first message: the CUDA IPC handle of the PS's buffer
         self._replies = 0
@@ -147,6 +149,7 @@ class ReplyWatchingSocket:
             self.handle = obj
         elif isinstance(obj, list):  # a bucket's metas: [{name, dtype, shape, offset}, ...]
             self._bucket_in_flight = bucket_bytes(obj)
+            self._bucket_sent_at = time.perf_counter()  # (--trace)
         if not self._wait_for(_POLLOUT):
             # Cancelled, and the worker did not answer in time. A relaxed REQ socket can still
             # send while it has a peer: a worker that is only slow is there; one whose
@@ -171,6 +174,8 @@ class ReplyWatchingSocket:
             return self._cancel_reply()
         reply = self._socket.recv(*args, **kwargs)
         self._replies += 1
+        if self._bucket_in_flight and reply == b"":
+            timeline.bucket(self._bucket_sent_at, self._bucket_in_flight)
         if self._bucket_in_flight and reply == b"" and self.on_bucket is not None:
             self.on_bucket(self._bucket_in_flight)
         self._bucket_in_flight = 0

@@ -264,6 +264,7 @@ def register_share(
                     "read": reader.read_seconds or 0.0,
                     "pin": reader.pin_seconds or 0.0,
                 }
+                st.background_started = getattr(reader, "_started", None)  # (--trace)
             else:
                 read, pin = reader.read_seconds or 0.0, reader.pin_seconds or 0.0
                 how = f"read {read:.2f}s + pin {pin:.2f}s, {how}"

@@ -33,6 +33,7 @@ from ckptctl.errors import (
     ExitCode,
     OperationFailed,
 )
+from ckptctl.observe import timeline
 from ckptctl.pipeline.job import Job
 from ckptctl.pipeline.serve.commands import TICK_TIMEOUT_S, CommandChannel
 from ckptctl.pipeline.serve.control import ControlServer, Handler, default_socket_path
@@ -51,6 +52,7 @@ PUSH_FIELDS = {
     "verify",
     "push_id",  # the client's own name for its push, to cancel it by (Ctrl-C on `push`)
     "allow_layout_change",
+    "trace",  # push --trace FILE: where rank 0 writes the push's timeline (observe/timeline.py)
 }
 # After a stop, a push under way must end within this many seconds, or the job ends anyway.
 STOP_GRACE_S = 8.0
@@ -245,8 +247,10 @@ class ServeLoop:
         state: dict[str, Any],
         targets: list[str],
         restore: bool = True,
+        metrics: Any = None,
     ) -> None:
         self.job = job
+        self.metrics = metrics  # observe.metrics.ServeMetrics (serve --metrics-port), rank 0
         self.execute = execute
         self.channel = channel
         self.push_timeout = push_timeout
@@ -317,6 +321,7 @@ class ServeLoop:
                 "verify": bool(doc.get("verify")),
                 "push_id": doc.get("push_id"),
                 "allow_layout_change": bool(doc.get("allow_layout_change")),
+                "trace": doc.get("trace"),
             }
         )
 
@@ -417,6 +422,8 @@ class ServeLoop:
         job = self.job
         job.watchdog.on_signal = self._on_signal
         job.watchdog.deadline = float("inf")  # serving is not bounded; each push is
+        if self.metrics is not None:
+            self.metrics.idle()
         try:
             while True:
                 if self.rank == 0:
@@ -444,6 +451,8 @@ class ServeLoop:
                     pending.finish(merged)
         finally:
             job.watchdog.on_signal = None
+            if self.metrics is not None:
+                self.metrics.stopping()
             with self._lock:
                 self.state.stopping = True
                 left, self._queue = list(self._queue), collections.deque()
@@ -454,10 +463,19 @@ class ServeLoop:
 
     def _run(self, command: dict[str, Any]) -> dict[str, Any]:
         self.state.begin(command)
+        if self.metrics is not None:
+            self.metrics.busy()
         merged = self._run_everywhere(command)
+        stages = self.job.reporter.figures.stages  # (this push's: a restore starts its own)
         if merged["server_weights"] == "partial":
             self._restore(merged)
+        if command.get("trace"):
+            merged["trace"] = timeline.push_trace(
+                command["trace"], merged["ranks"], write_it=self.rank == 0
+            )
         self.state.record(merged)
+        if self.metrics is not None:
+            self.metrics.pushed(merged, stages, self.state.weights)
         if self.rank == 0:
             what = f"{merged['action']} {merged['seq']} ({merged['checkpoint_path']})"
             self.job.reporter.log(
@@ -524,6 +542,8 @@ class ServeLoop:
             push_job.coordinator.publish_abort(
                 ExitCode.FAILED, f"stopped ({stop_reason})", request=True
             )
+        if command.get("trace"):
+            timeline.record_buckets()
         started = time.perf_counter()
         try:
             result = {"ok": True, "exit_code": 0, "error": None, **self.execute(push_job, command)}
@@ -540,6 +560,10 @@ class ServeLoop:
             push_job.coordinator.publish_abort(result["exit_code"], result["error"])
         result["rank"] = job.launch.rank
         result["wall_s"] = result["seconds"] = round(time.perf_counter() - started, 4)
+        if command.get("trace"):  # (taken out again by _run, once every rank's is in)
+            result["trace_events"] = timeline.rank_events(
+                job.launch.rank, job.reporter.figures.stages, timeline.take_buckets()
+            )
         return result
 
 
@@ -558,10 +582,12 @@ def _check_push(doc: Any) -> str | None:
     path = doc.get("checkpoint_path")
     if not isinstance(path, str) or not path or len(path) > 4096:
         return 'push needs {"checkpoint_path": DIR}'
-    for key in ("checkpoint_name", "weight_version"):
+    for key in ("checkpoint_name", "weight_version", "trace"):
         value = doc.get(key)
         if value is not None and (not isinstance(value, str) or len(value) > 1024):
             return f"{key} must be a string of at most 1024 characters"
+    if doc.get("trace") is not None and not doc["trace"].startswith("/"):
+        return "trace must be an absolute path"
     for key in ("consume_shm_files", "verify", "allow_layout_change"):
         if not isinstance(doc.get(key, False), bool):
             return f"{key} must be true or false"
@@ -577,6 +603,7 @@ def serve_loop(
     state: dict[str, Any] | None = None,
     targets: list[str] | None = None,
     restore: bool = True,
+    metrics: Any = None,
 ) -> str:
     """Serve commands until a stop; returns why it stopped.
 
@@ -597,6 +624,7 @@ def serve_loop(
             state=state if state is not None else {},
             targets=targets or [],
             restore=restore,
+            metrics=metrics,
         )
         # Every rank is in the group: learn where each one runs (status names rank 0's host).
         hosts = channel.gather({"host": socket.gethostname()}, TICK_TIMEOUT_S)

@@ -26,6 +26,7 @@ class ServeOptions:
     mem_fraction: float | None = None
     verbose: bool = False
     drop_page_cache: bool = False  # each push's file pages, once read into pinned buffers
+    metrics: tuple[str, int] | None = None  # serve --metrics-host/--metrics-port
 
 
 def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict[str, Any]:
@@ -41,6 +42,11 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
         control_socket = control_socket or default_socket_path(targets)
         check_socket_path(control_socket)
     state: dict[str, Any] = {"registered": None, "pool": None}
+    metrics = None
+    if opts.metrics is not None and launch.rank == 0:  # (bound before the long start-up)
+        from ckptctl.observe import metrics as observe_metrics
+
+        metrics = observe_metrics.start(*opts.metrics, lambda: state.get("pinned_pool_bytes"))
 
     def body(job: Job) -> dict[str, Any]:
         if job.coordinator is None:  # one process: a store of our own for the rendezvous
@@ -65,6 +71,7 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
             state=state,
             targets=targets,
             restore=opts.restore,
+            metrics=metrics,
         )
         if state["registered"] is not None:
             session.unregister(state["registered"], state["pool"])
@@ -72,6 +79,10 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
             state["pool"].close()
         return {"ok": True, "ended": ended, "world_size": launch.world_size}
 
-    return run_job(
-        launch, reporter, body, timeout=opts.push_timeout, verbose=opts.verbose, debug=debug
-    )
+    try:
+        return run_job(
+            launch, reporter, body, timeout=opts.push_timeout, verbose=opts.verbose, debug=debug
+        )
+    finally:
+        if metrics is not None:
+            metrics.close()

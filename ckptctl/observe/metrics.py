@@ -1,0 +1,220 @@
+"""Prometheus metrics of a serve job (`serve --metrics-port N`), from global rank 0 only.
+
+Rank 0 takes every push and merges every rank's result, so its figures are the job's; other
+ranks (and other nodes) serve no metrics. The registry is a private one (nothing of the
+process's default collectors), served over HTTP by prometheus_client's own server in a daemon
+thread: a scrape reads figures the push loop has already set, or computes a gauge from a
+number the loop keeps (time since the last good push, pinned memory), and never takes a lock
+the push holds. prometheus_client is imported only here, and only when metrics are asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptctl.errors import ExitCode
+
+INSTALL_HINT = "pip install 'ckptctl[metrics]'"
+# How a push ended (a rollback counts as a push; the restore after a failed one does not).
+OUTCOMES = ("ok", "failed", "restored", "refused", "cancelled")
+STATES = ("starting", "idle", "busy", "stopping")
+
+_PUSH_S = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_STAGE_S = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
+_SIZE_B = (1e6, 1e7, 1e8, 1e9, 4e9, 1.6e10, 6.4e10, 2.56e11, 1e12)
+
+
+def missing_package() -> str | None:
+    """Why metrics cannot be served here (prometheus_client is not installed), or None. Looks
+    the package up without importing it."""
+    if importlib.util.find_spec("prometheus_client") is None:
+        return f"--metrics-port needs prometheus-client: {INSTALL_HINT}"
+    return None
+
+
+def outcome_of(merged: dict[str, Any]) -> str:
+    """ok; restored: failed, and the server was made whole again by pushing the last whole
+    checkpoint; refused: refused before anything was sent (exit 3: a bad checkpoint, a layout
+    change, a checker the server lacks); cancelled: given up by its client or a stop (exit
+    130); failed: any other failure."""
+    if merged.get("ok"):
+        return "ok"
+    if (merged.get("restore") or {}).get("ok"):
+        return "restored"
+    code = merged.get("exit_code")
+    if code == ExitCode.INVALID_INPUT:
+        return "refused"
+    if code == ExitCode.INTERRUPTED:
+        return "cancelled"
+    return "failed"
+
+
+class ServeMetrics:
+    """The job's metrics; the serve loop calls `busy`, `pushed` and `stopping`."""
+
+    def __init__(self, pinned_bytes: Callable[[], Any]) -> None:
+        from prometheus_client import (
+            CollectorRegistry,
+            Counter,
+            Enum,
+            Gauge,
+            Histogram,
+            Info,
+            disable_created_metrics,
+        )
+
+        disable_created_metrics()  # (a _created gauge beside every counter: noise to a scrape)
+        self.registry = r = CollectorRegistry()
+        self._last_ok: float | None = None  # time.monotonic() of the last good push
+        self._server_weights = "whole"  # a push that never reached the server changes nothing
+        self.pushes = Counter(
+            "ckptctl_pushes", "Pushes by how they ended.", ["outcome"], registry=r
+        )
+        for outcome in OUTCOMES:  # every series from the start: rate() needs its zero
+            self.pushes.labels(outcome)
+        self.duration = Histogram(
+            "ckptctl_push_duration_seconds",
+            "Wall time of a push (its slowest rank).",
+            buckets=_PUSH_S,
+            registry=r,
+        )
+        self.stage_duration = Histogram(
+            "ckptctl_push_stage_duration_seconds",
+            "Wall time of each stage of a push on rank 0 (split, register, wait_server, "
+            "gather_metas, update, verify...).",
+            ["stage"],
+            buckets=_STAGE_S,
+            registry=r,
+        )
+        self.server_wait = Histogram(
+            "ckptctl_server_wait_seconds",
+            "Time a push waited for the inference server to answer.",
+            buckets=_STAGE_S,
+            registry=r,
+        )
+        self.pushed_bytes = Counter(
+            "ckptctl_pushed_bytes", "Checkpoint bytes of the pushes that succeeded.", registry=r
+        )
+        self.push_size = Histogram(
+            "ckptctl_push_size_bytes",
+            "Checkpoint size of each push that succeeded.",
+            buckets=_SIZE_B,
+            registry=r,
+        )
+        self.served = Info(
+            "ckptctl_served",
+            "The checkpoint the server holds as a whole: its push number, weight version, "
+            "name and path; server_weights says whether a later push left it partial.",
+            registry=r,
+        )
+        self.served_push = Gauge(
+            "ckptctl_served_push", "The push number of the checkpoint served.", registry=r
+        )
+        self.served_push.set(math.nan)
+        since = Gauge(
+            "ckptctl_seconds_since_last_good_push",
+            "Seconds since the last push that succeeded (NaN before the first).",
+            registry=r,
+        )
+        since.set_function(self._since_last_ok)
+        pinned = Gauge(
+            "ckptctl_pinned_host_memory_bytes",
+            "Host memory this rank holds pinned for pushes (serve --register-mode direct).",
+            registry=r,
+        )
+        pinned.set_function(lambda: float(pinned_bytes() or 0))
+        self.state = Enum(
+            "ckptctl_serve_state", "What the serve job is doing.", states=list(STATES), registry=r
+        )
+        self._server: Any = None
+        self._thread: Any = None
+
+    def _since_last_ok(self) -> float:
+        last = self._last_ok
+        return math.nan if last is None else time.monotonic() - last
+
+    def serve(self, host: str, port: int) -> None:
+        """Listen on host:port (raises OSError when it cannot)."""
+        from prometheus_client import start_http_server
+
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    # -- the serve loop's hooks (rank 0's main thread) ---------------------------------------
+
+    def idle(self) -> None:
+        self.state.state("idle")
+
+    def busy(self) -> None:
+        self.state.state("busy")
+
+    def stopping(self) -> None:
+        self.state.state("stopping")
+
+    def pushed(
+        self, merged: dict[str, Any], stages: list[Any], served: dict[str, Any] | None
+    ) -> None:
+        """One push is over: `merged` is its answer, `stages` rank 0's StageFigures of it,
+        `served` the whole checkpoint the server holds (the loop's history). Metrics must
+        never end the job: whatever goes wrong here is dropped."""
+        with contextlib.suppress(Exception):
+            self._pushed(merged, stages, served)
+        self.state.state("idle")
+
+    def _pushed(
+        self, merged: dict[str, Any], stages: list[Any], served: dict[str, Any] | None
+    ) -> None:
+        outcome = outcome_of(merged)
+        self.pushes.labels(outcome).inc()
+        self.duration.observe(float(merged.get("wall_s") or 0.0))
+        for st in stages:
+            self.stage_duration.labels(st.name).observe(st.seconds)
+            if st.name == "wait_server":
+                self.server_wait.observe(st.seconds)
+        size = merged.get("total_bytes")
+        if outcome == "ok":
+            self._last_ok = time.monotonic()
+            if isinstance(size, int):
+                self.pushed_bytes.inc(size)
+                self.push_size.observe(size)
+        self._server_weights = merged.get("server_weights") or self._server_weights
+        if served is not None:
+            self.served_push.set(int(served.get("seq") or 0))
+            self.served.info(
+                {
+                    "push": str(served.get("seq")),
+                    "weight_version": str(served.get("weight_version") or ""),
+                    "checkpoint_name": str(served.get("checkpoint_name") or ""),
+                    "checkpoint_path": str(served.get("checkpoint_path") or ""),
+                    "server_weights": self._server_weights,
+                }
+            )
+
+
+def start(host: str, port: int, pinned_bytes: Callable[[], Any]) -> ServeMetrics:
+    """The job's metrics, served on host:port; a port that cannot be bound is a usage error."""
+    from ckptctl.errors import UsageError
+
+    metrics = ServeMetrics(pinned_bytes)
+    metrics.state.state("starting")
+    try:
+        metrics.serve(host, port)
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise UsageError(f"--metrics-port {port}: cannot listen on {host}: {why}") from None
+    return metrics

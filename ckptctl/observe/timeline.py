@@ -1,0 +1,226 @@
+"""`--trace FILE`: a job's stages on every rank as one Chrome trace-event file (Perfetto,
+chrome://tracing), one process per rank (pid = rank) and one track per thread:
+
+- stages: the job's stages as the Reporter timed them (split, start, register, wait_server,
+  group, gather_metas, update, verify...), one after another;
+- background: the share's read and pin, done in a thread that starts before its stage
+  ("register" then only waits for it);
+- buckets: each bucket of the transfer, from the moment its metas went to the server's
+  worker to the worker's reply that it loaded it (parameter_server.ReplyWatchingSocket).
+
+There is no second timing system: a stage's events come from its StageFigures (its start and
+its seconds), the buckets from one hook in the socket wrapper, which records only while a
+trace is wanted. Rank 0 gathers every rank's events through the job's store and writes FILE:
+for update and join once the job succeeded (a failing job's ranks may be gone), for a push
+whatever its outcome (its result comes back from every rank anyway).
+
+FILE is written safely (`check_path`, `write`): into a new temporary file beside it (O_EXCL,
+mode 0600), then renamed over it, so that a symlink planted at FILE is replaced, never
+followed. FILE may exist only as a trace written before (a regular file of this user that
+starts with {"traceEvents"); any other file, a symlink or a directory there is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import tempfile
+import threading
+import time
+from typing import Any
+
+from ckptctl.errors import UsageError
+
+STAGES, BACKGROUND, BUCKETS = 1, 2, 3  # the tracks (tid) of each rank
+TRACKS = {STAGES: "stages", BACKGROUND: "background read and pin", BUCKETS: "buckets"}
+MAGIC = b'{"traceEvents"'
+
+_lock = threading.Lock()
+_buckets: list[tuple[float, float, int]] | None = None  # (sent, loaded, bytes) while recording
+_requested: str | None = None  # update/join --trace FILE (this process)
+
+
+def bucket(sent_at: float, nbytes: int) -> None:
+    """A bucket's worker replied that it loaded it (called from the transfer's thread)."""
+    if _buckets is not None and sent_at:
+        _buckets.append((sent_at, time.perf_counter(), nbytes))
+
+
+def record_buckets() -> None:
+    """Keep the buckets of the transfers from now on (until `take_buckets`)."""
+    global _buckets
+    with _lock:
+        _buckets = []
+
+
+def take_buckets() -> list[tuple[float, float, int]]:
+    global _buckets
+    with _lock:
+        taken, _buckets = _buckets or [], None
+    return taken
+
+
+def rank_events(
+    rank: int, stages: list[Any], buckets: list[tuple[float, float, int]]
+) -> list[dict[str, Any]]:
+    """This rank's trace events: its StageFigures and buckets, in microseconds since the epoch
+    (each rank converts its own monotonic clock, so that the ranks line up)."""
+    offset = time.time() - time.perf_counter()
+
+    def span(name: str, tid: int, start: float, end: float, **args: Any) -> dict[str, Any]:
+        # Start and end rounded alike: a stage that ends where the next begins never overlaps it.
+        ts, te = round((start + offset) * 1e6), round((end + offset) * 1e6)
+        event = {"name": name, "ph": "X", "ts": ts, "dur": max(te - ts, 0), "pid": rank}
+        return {**event, "tid": tid, "args": {k: v for k, v in args.items() if v is not None}}
+
+    events = [
+        {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+        {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
+    ]
+    for tid, title in TRACKS.items():
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": title}}
+        )
+    for st in stages:
+        end = st.started_at + st.seconds
+        events.append(
+            span(
+                st.name,
+                STAGES,
+                st.started_at,
+                end,
+                label=st.label,
+                detail=st.detail or None,
+                bytes=st.bytes,
+            )  # fmt: skip
+        )
+        if st.background:
+            # The work began with its reader (`background_started`) or, where that is not
+            # known, as late as it can have: back to back, ending with the stage.
+            at = getattr(st, "background_started", None)
+            if at is None:
+                at = end - sum(st.background.values())
+            for what, secs in st.background.items():
+                events.append(span(what, BACKGROUND, at, at + secs, bytes=st.bytes))
+                at += secs
+    for i, (sent, loaded, nbytes) in enumerate(buckets):
+        events.append(span(f"bucket {i}", BUCKETS, sent, loaded, bytes=nbytes))
+    return events
+
+
+def document(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The file's JSON: every rank's events, their times from the first one (in µs)."""
+    first = min((e["ts"] for e in events if "ts" in e), default=0)
+    shifted = [{**e, "ts": e["ts"] - first} if "ts" in e else e for e in events]
+    started = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(first / 1e6))
+    return {
+        "traceEvents": shifted,
+        "displayTimeUnit": "ms",
+        "otherData": {"producer": "ckptctl", "started_at": f"{started}.{first % 10**6:06d}Z"},
+    }
+
+
+def check_path(path: str | os.PathLike[str], what: str = "--trace") -> str:
+    """FILE as an absolute path (its last part not resolved: a symlink there is refused, never
+    followed), or a UsageError saying why it cannot be written (`what`: how it names FILE's
+    flag or argument)."""
+    full = os.path.abspath(os.fspath(path))
+    where = os.path.dirname(full)
+    if not os.path.isdir(where):
+        raise UsageError(f"{what} {path}: no directory {where}")
+    problem = _not_a_trace(full)
+    if problem:
+        raise UsageError(f"{what} {path}: {problem}; name a new file (or a trace written before)")
+    return full
+
+
+def _not_a_trace(path: str) -> str | None:
+    """Why the file at `path` may not be replaced; None when there is none or it is a trace."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return "a symlink" if os.path.islink(path) else f"cannot be read ({exc.strerror})"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return "exists and is not a regular file"
+        if info.st_uid != os.geteuid():
+            return "a file of another user"
+        if os.read(fd, len(MAGIC)) != MAGIC:
+            return "exists and is not a trace ckptctl wrote"
+    finally:
+        os.close(fd)
+    return None
+
+
+def write(path: str, events: list[dict[str, Any]], what: str = "--trace") -> int:
+    """Write the trace of `events` to `path` (see the module's docstring); returns how many
+    events it holds. Raises UsageError or OSError."""
+    full = check_path(path, what)
+    fd, tmp = tempfile.mkstemp(prefix=".ckptctl-trace-", dir=os.path.dirname(full))
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(document(events), fh, separators=(",", ":"))
+        problem = _not_a_trace(full)  # (checked again: it may have appeared meanwhile)
+        if problem:
+            raise UsageError(f"{what} {path}: {problem}")
+        os.replace(tmp, full)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return sum(1 for e in events if e["ph"] == "X")
+
+
+# -- update and join: FILE from the command line --------------------------------------------------
+
+
+def request(path: str | os.PathLike[str] | None, *, primary: bool) -> None:
+    """`--trace FILE` for this process's job: checked now on the rank that writes it (rank 0);
+    every rank records its buckets from now on."""
+    global _requested
+    if path is None:
+        return
+    _requested = check_path(path) if primary else os.fspath(path)
+    record_buckets()
+
+
+def finish(job: Any) -> None:
+    """After a job's body succeeded: every rank's events to rank 0, which writes the file."""
+    if _requested is None:
+        return
+    mine = rank_events(job.launch.rank, job.reporter.figures.stages, take_buckets())
+    if job.coordinator is None:
+        ranks = [mine]
+    else:
+        job.coordinator.publish("trace", {"events": mine})
+        if job.launch.rank != 0:
+            return
+        timeout = max(job.watchdog.remaining(), 1.0)
+        ranks = [d["events"] for d in job.coordinator.collect("trace", timeout_s=timeout)]
+    if job.launch.rank == 0:
+        try:  # (the job did its work: a trace it cannot write is worth a warning, no more)
+            count = write(_requested, [e for events in ranks for e in events])
+        except (UsageError, OSError) as exc:
+            job.reporter.warn(f"no trace written: {exc}")
+            return
+        job.reporter.log(f"trace: {_requested} ({count} events on {len(ranks)} rank(s))")
+
+
+# -- a serve job's push (push --trace FILE) ------------------------------------------------------
+
+
+def push_trace(path: str, ranks: list[dict[str, Any]], *, write_it: bool) -> dict[str, Any]:
+    """Take every rank's events out of a push's results (`trace_events`) and, on rank 0,
+    write them to `path`: what the push's answer says of its trace."""
+    events = [e for r in ranks for e in (r.pop("trace_events", None) or [])]
+    if not write_it:
+        return {"path": path}
+    try:
+        return {"path": path, "events": write(path, events, what="trace")}
+    except (UsageError, OSError) as exc:
+        return {"path": path, "error": str(exc)}
