@@ -5,6 +5,7 @@
 - commands.py: commands from rank 0 to every rank over the job's own gloo group - never
   through torchrun's store, which anyone who reaches the node can write to;
 - loop.py: the loop every rank runs, and what `status` shows;
+- state.py: what the job keeps between pushes (ServeState);
 - push.py: one push (the stages of `update`) and how it fails without ending the job;
 - run.py: the real job (a ParameterServer per rank).
 
