@@ -1,6 +1,6 @@
 """`ckptctl serve` (a long-lived job under torchrun) and its clients `push`, `status`, `stop`.
 
-The clients talk to the job's control socket on this node (ckptctl.pipeline.serve.control):
+The clients talk to the job's control socket on this node (ckptctl._control_client):
 `--control-socket PATH`, else the socket of the job that feeds `--endpoint`/`--uds`, else the
 only serve job of this user on the node.
 """
@@ -246,7 +246,7 @@ def push_command(
     and, if the server had begun taking the weights, pushes the last whole checkpoint again.
     """
     from ckptctl import client
-    from ckptctl.pipeline.serve.control import FLAGS
+    from ckptctl._control_client import FLAGS
 
     out = Output(json_mode=json_output, quiet=quiet)
     path = client.find_job(control_socket, endpoint or (), uds or (), wait, names=FLAGS)
@@ -284,7 +284,7 @@ def rollback_command(
     checkpoint's files changed since it was pushed (sizes, mtimes, headers).
     """
     from ckptctl import client
-    from ckptctl.pipeline.serve.control import FLAGS
+    from ckptctl._control_client import FLAGS
 
     out = Output(json_mode=json_output, quiet=quiet)
     path = client.find_job(control_socket, endpoint or (), uds or (), 0.0, names=FLAGS)
@@ -434,7 +434,7 @@ def _which_job_kwargs(
     control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
 ) -> dict[str, Any]:
     """The client's arguments that find the job, its messages naming the CLI's flags."""
-    from ckptctl.pipeline.serve.control import FLAGS
+    from ckptctl._control_client import FLAGS
 
     return {
         "control_socket": control_socket,
