@@ -215,12 +215,20 @@ def status(
     endpoint: str | Sequence[str] = (),
     uds: str | Sequence[str] = (),
     wait: float = 0.0,
+    history: bool = False,
     names: Names = ARGUMENTS,
 ) -> dict[str, Any]:
     """What the serve job holds and did last: `ckptctl status --json`'s document (`ok`,
-    `exit_code`, `error`, `state`, `commands` = `succeeded` + `failed`, `running`, `last`...)."""
+    `exit_code`, `error`, `state`, `commands` = `succeeded` + `failed`, `running`, `last`...).
+
+    history: also the job's push log, `status --history --json`'s fields: `pushes` (the last
+    `history_limit`, oldest first: seq, checkpoint_path, weight_version, outcome, wall_s,
+    total_bytes, finished_at, server_weights...) and `pushes_run` (every push logged)."""
     path = find_job(control_socket, endpoint, uds, wait, names=names)
     doc = request(path, "GET", "/status", None, 10.0)
+    if history:
+        log = request(path, "GET", "/history", None, 30.0)
+        doc.update({k: log.get(k) for k in ("pushes", "pushes_run", "history_limit")})
     done, failed = int(doc.get("commands") or 0), int(doc.get("failed") or 0)
     return {
         **doc,

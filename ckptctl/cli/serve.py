@@ -15,6 +15,7 @@ import typer
 from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
 from ckptctl.cli._options import (
     FLAG,
+    OUTPUT,
     SERVE_JOB,
     TRANSFER,
     WAITING,
@@ -41,7 +42,7 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
+from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, PUSH_LOG_SIZE, UDS_ENV
 from ckptctl.errors import CkptctlError, UsageError, redact
 
 
@@ -415,19 +416,36 @@ def status_command(
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
     wait: WaitOpt = 0,
+    history: Annotated[
+        bool,
+        typer.Option(
+            "--history",
+            metavar=FLAG,
+            rich_help_panel=OUTPUT,
+            help="List the job's pushes instead, oldest first: number, checkpoint, weight "
+            "version, outcome, seconds, bytes, when, and the server's weights after it. The job "
+            f"keeps its last {PUSH_LOG_SIZE} pushes; with --json, `pushes` beside the status.",
+        ),
+    ] = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Show what a running `ckptctl serve` job on this node holds and did last."""
+    """Show what a running `ckptctl serve` job on this node holds and did last (--history:
+    every push it ran)."""
     from ckptctl import client
 
     out = Output(json_mode=json_output, quiet=quiet)
-    doc = client.status(**_which_job_kwargs(control_socket, endpoint, uds, wait))
+    which = _which_job_kwargs(control_socket, endpoint, uds, wait)
+    doc = client.status(**which, history=history)
     if json_output:
         out.result(doc)
-        return
-    out.show("\n".join(describe_status(doc, doc["control_socket"])))
+    elif history:
+        from ckptctl.cli._job_view import history_table
+
+        out.show(history_table(doc), wrap=True)
+    else:
+        out.show("\n".join(describe_status(doc, doc["control_socket"])))
 
 
 def _which_job_kwargs(

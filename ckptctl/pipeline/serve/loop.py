@@ -37,7 +37,7 @@ from ckptctl.pipeline.job import Job
 from ckptctl.pipeline.serve.commands import TICK_TIMEOUT_S, CommandChannel
 from ckptctl.pipeline.serve.control import ControlServer, Handler, default_socket_path
 from ckptctl.pipeline.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock
-from ckptctl.pipeline.serve.state import ServeState
+from ckptctl.pipeline.serve.state import PushLog, ServeState
 from ckptctl.progress import StageFigures, StageLog
 
 Executor = Callable[[Job, dict[str, Any]], dict[str, Any]]
@@ -142,8 +142,9 @@ class JobStatus:
         self.last: dict[str, Any] | None = None
         self.server_weights: str | None = None  # None until a push reaches the server
         # The last KEPT_WHOLE whole sets pushed, the one the server holds last: what a restore
-        # or a rollback may push again.
+        # or a rollback may push again (not the push log: that is `pushes`).
         self.whole_pushes: list[dict[str, Any]] = []
+        self.pushes = PushLog()  # every push, for `status --history`
         self.stopping = False
 
     @property
@@ -167,6 +168,7 @@ class JobStatus:
             self.failed += not merged["ok"]
             self.running = None
             self.last = merged
+            self.pushes.add(merged)
             if merged["ok"]:
                 self.server_weights = "whole"
                 seq = merged.get("restores") or merged["seq"]
@@ -269,6 +271,7 @@ class ServeLoop:
     def handlers(self) -> dict[tuple[str, str], Handler]:
         return {
             ("GET", "/status"): self.handle_status,
+            ("GET", "/history"): self.handle_history,
             ("POST", "/push"): self.handle_push,
             ("POST", "/rollback"): self.handle_rollback,
             ("POST", "/cancel"): self.handle_cancel,
@@ -289,6 +292,10 @@ class ServeLoop:
         if stopping:  # asked to stop, still ending the command under way
             doc["state"] = "stopping"
         return 200, doc
+
+    def handle_history(self, _doc: Any) -> tuple[int, dict[str, Any]]:
+        """The push log (`status --history`): apart from /status, which a push polls."""
+        return 200, {"ok": True, **self.status.pushes.snapshot()}
 
     def handle_stop(self, _doc: Any) -> tuple[int, dict[str, Any]]:
         self.request_stop("stopped by a client (ckptctl stop)")
@@ -360,6 +367,7 @@ class ServeLoop:
                       "error": "cancelled before it ran", "seq": waiting.command["seq"],
                       "server_weights": None}  # fmt: skip
             waiting.finish(result)
+            self.status.pushes.add({**waiting.command, **result, "finished_at": utc_now()})
             return 200, {"ok": True, "cancel": "cancelled", "seq": waiting.command["seq"]}
         if running is not None and running[0].get("push_id") == push_id:
             running[1].publish_abort(ExitCode.INTERRUPTED, "cancelled by its client", request=True)

@@ -1,4 +1,5 @@
-"""What a serve job keeps between pushes, typed: the executor's state (ServeState).
+"""What a serve job keeps between pushes, typed: the executor's state (ServeState) and the
+bounded log of every push it ran (PushLog), which `ckptctl status --history` lists.
 
 ServeState is written by the push that runs (push.py, on the loop's thread) and read by
 `status` (control socket threads); every rank holds its own, alike. No torch here.
@@ -6,8 +7,15 @@ ServeState is written by the push that runs (push.py, on the loop's thread) and 
 
 from __future__ import annotations
 
+import collections
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from ckptctl.defaults import PUSH_LOG_SIZE
+from ckptctl.errors import ExitCode
+
+MAX_ERROR = 2000  # characters of a push's error kept in the log
 
 if TYPE_CHECKING:
     from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
@@ -38,3 +46,56 @@ class ServeState:
     def served_tensors(self) -> int | None:
         """How many tensors the server holds from the job's pushes (None before the first)."""
         return None if self.layout is None else len(self.layout.tensors)
+
+
+def outcome(result: dict[str, Any]) -> str:
+    """How a push ended, in one word or phrase: ok, rolled back (a rollback that succeeded),
+    restored (it failed mid-transfer and the last whole push was pushed again), cancelled,
+    refused before sending (exit 3: nothing was sent), or failed."""
+    if result.get("ok"):
+        return "rolled back" if result.get("action") == "rollback" else "ok"
+    if result.get("server_weights") == "whole":
+        return "restored"
+    code = result.get("exit_code")
+    if code == ExitCode.INTERRUPTED:
+        return "cancelled"
+    if code == ExitCode.INVALID_INPUT and result.get("server_weights") is None:
+        return "refused before sending"
+    return "failed"
+
+
+class PushLog:
+    """The last `size` pushes of the job, oldest first, one entry of facts each: bounded, so
+    that a job that pushes for weeks does not grow (apart from the whole pushes a restore or a
+    rollback needs, JobStatus.whole_pushes)."""
+
+    def __init__(self, size: int = PUSH_LOG_SIZE) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._entries: collections.deque[dict[str, Any]] = collections.deque(maxlen=size)
+        self._count = 0  # every push logged, the dropped ones too
+
+    def add(self, result: dict[str, Any]) -> None:
+        """Log a push's merged result (loop.merge_results, or a push cancelled before it ran)."""
+        entry = {
+            "seq": result.get("seq"),
+            "action": result.get("action") or "push",
+            "checkpoint_path": result.get("checkpoint_path"),
+            "weight_version": result.get("weight_version"),
+            "outcome": outcome(result),
+            "exit_code": result.get("exit_code"),
+            "wall_s": result.get("wall_s"),
+            "total_bytes": result.get("total_bytes"),
+            "finished_at": result.get("finished_at"),
+            "server_weights": result.get("server_weights"),
+            "error": None if result.get("error") is None else str(result["error"])[:MAX_ERROR],
+        }
+        with self._lock:
+            self._entries.append(entry)
+            self._count += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """`status --history`'s fields: the pushes kept, how many were logged, the bound."""
+        with self._lock:
+            entries, count = list(self._entries), self._count
+        return {"pushes": entries, "pushes_run": count, "history_limit": self.size}
