@@ -6,7 +6,8 @@ pace, about ten ticks a second and at once when a push comes in, the others wait
 tick - and run the same commands in the same order. Other nodes' control sockets answer
 `status` (this node's view, which every rank keeps: results go to every rank) and `stop`,
 and refuse `push` with the host to push on. A stop - `ckptctl stop` on any node, SIGTERM or
-SIGINT to any rank - travels in the next tick and ends every rank together.
+SIGINT to any rank - travels in the next tick and ends every rank together. What `status`
+shows is JobStatus, with the push log that `status --history` lists (state.PushLog).
 
 A push runs the stages of `update` (push.py) in a store scope of its own (`push<seq>/`), so
 that one push's keys never answer the next one's waits. Its deadline is the job's
@@ -239,6 +240,9 @@ def describe_stage(st: StageFigures) -> dict[str, Any]:
 
 
 class ServeLoop:
+    """One rank's loop: the control socket's handlers (rank 0 queues pushes) and the ticks
+    that run every command on every rank in the same order."""
+
     def __init__(
         self,
         job: Job,
