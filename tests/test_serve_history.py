@@ -116,3 +116,15 @@ def test_outcomes_use_one_word_each() -> None:
     ]
     for result, word in cases:
         assert outcome(result) == word, result
+
+
+def test_a_full_log_of_the_longest_entries_fits_in_one_answer() -> None:
+    from ckptctl._control_client import MAX_RESPONSE_BYTES
+
+    log = PushLog()
+    for seq in range(1, log.size + 2):
+        log.add({"seq": seq, "ok": False, "exit_code": 1, "checkpoint_path": "é" * 4096,
+                 "weight_version": "é" * 1024, "error": "é" * 100_000})  # fmt: skip
+    doc = log.snapshot()
+    assert len(doc["pushes"]) == log.size and doc["pushes"][0]["seq"] == 2
+    assert len(json.dumps({"ok": True, **doc}).encode()) < MAX_RESPONSE_BYTES

@@ -371,6 +371,7 @@ class ServeLoop:
                       "error": "cancelled before it ran", "seq": waiting.command["seq"],
                       "server_weights": None}  # fmt: skip
             waiting.finish(result)
+            # (logged on rank 0 alone: the other ranks never saw this push)
             self.status.pushes.add({**waiting.command, **result, "finished_at": utc_now()})
             return 200, {"ok": True, "cancel": "cancelled", "seq": waiting.command["seq"]}
         if running is not None and running[0].get("push_id") == push_id:

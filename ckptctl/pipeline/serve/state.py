@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any
 from ckptctl.defaults import PUSH_LOG_SIZE
 from ckptctl.errors import ExitCode
 
-MAX_ERROR = 2000  # characters of a push's error kept in the log
-
 if TYPE_CHECKING:
     from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
     from ckptctl.pipeline.pinning import PinnedPool
@@ -80,15 +78,15 @@ class PushLog:
         entry = {
             "seq": result.get("seq"),
             "action": result.get("action") or "push",
-            "checkpoint_path": result.get("checkpoint_path"),
-            "weight_version": result.get("weight_version"),
+            "checkpoint_path": _clip(result.get("checkpoint_path"), 1024),
+            "weight_version": _clip(result.get("weight_version"), 256),
             "outcome": outcome(result),
             "exit_code": result.get("exit_code"),
             "wall_s": result.get("wall_s"),
             "total_bytes": result.get("total_bytes"),
             "finished_at": result.get("finished_at"),
             "server_weights": result.get("server_weights"),
-            "error": None if result.get("error") is None else str(result["error"])[:MAX_ERROR],
+            "error": _clip(result.get("error"), 500),
         }
         with self._lock:
             self._entries.append(entry)
@@ -99,3 +97,12 @@ class PushLog:
         with self._lock:
             entries, count = list(self._entries), self._count
         return {"pushes": entries, "pushes_run": count, "history_limit": self.size}
+
+
+def _clip(text: Any, most: int) -> str | None:
+    """At most `most` characters of `text` (None stays None): a full log, every string at its
+    longest and escaped, still fits in one control-socket answer."""
+    if text is None:
+        return None
+    text = str(text)
+    return text if len(text) <= most else text[: most - 1] + "…"
