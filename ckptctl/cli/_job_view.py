@@ -135,7 +135,7 @@ def history_table(doc: dict[str, Any]) -> Any:
         what = p.get("outcome") or "-"
         if p.get("action") not in (None, "push") and what != "rolled back":
             what += f" ({p['action']})"  # a rollback that did not go through
-        secs = p.get("wall_s")
+        secs, when = p.get("wall_s"), p.get("finished_at")
         table.add_row(
             str(p.get("seq")),
             what,
@@ -143,7 +143,7 @@ def history_table(doc: dict[str, Any]) -> Any:
             str(p.get("checkpoint_path") or "-"),
             "-" if secs is None else f"{secs:.2f}s",
             format_bytes(p["total_bytes"]) if p.get("total_bytes") else "-",
-            str(p.get("finished_at") or "-")[5:16].replace("T", " "),  # MM-DD hh:mm of its end
+            when[5:16].replace("T", " ") if when else "-",  # MM-DD hh:mm of its ISO end
             # None: the push never reached them, and the server kept what it held.
             p.get("server_weights") or "unchanged",
         )
