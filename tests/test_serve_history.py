@@ -128,3 +128,45 @@ def test_a_full_log_of_the_longest_entries_fits_in_one_answer() -> None:
     doc = log.snapshot()
     assert len(doc["pushes"]) == log.size and doc["pushes"][0]["seq"] == 2
     assert len(json.dumps({"ok": True, **doc}).encode()) < MAX_RESPONSE_BYTES
+
+
+@pytest.mark.slow
+def test_a_push_cancelled_while_it_waits_is_logged_as_cancelled(short_tmp: Path) -> None:
+    import threading
+
+    sock = str(short_tmp / "serve.sock")
+    with (
+        FakeServer(Behaviour(update_delay_s=3)) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
+    ):
+        assert wait_for_path(sock)
+        answers: dict[str, dict] = {}
+
+        def push(version: str) -> None:
+            answers[version] = client.push(
+                TINY, weight_version=version, control_socket=sock, push_id=version, check=False
+            )
+
+        threads = [threading.Thread(target=push, args=(v,)) for v in ("slow", "waiting")]
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while client.status(control_socket=sock)["running"] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        threads[1].start()
+        while client.status(control_socket=sock)["queued"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert client.cancel("waiting", control_socket=sock)["cancel"] == "cancelled"
+        for t in threads:
+            t.join(timeout=120)
+        assert answers["slow"]["ok"] and answers["waiting"]["exit_code"] == 130
+
+        pushes = {p["seq"]: p for p in client.status(control_socket=sock, history=True)["pushes"]}
+        assert pushes[1]["outcome"] == "ok" and pushes[1]["weight_version"] == "slow"
+        assert pushes[2]["outcome"] == "cancelled" and pushes[2]["weight_version"] == "waiting"
+        assert pushes[2]["checkpoint_path"] == str(TINY.resolve())
+        assert pushes[2]["server_weights"] is None
+        client.stop(control_socket=sock, wait=60)
+        _, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err[-3000:]
