@@ -14,7 +14,7 @@ Each function returns the document the matching `ckptctl ... --json` prints (`ok
 (`wait=SECONDS`), where the CLI's name its flags.
 
 The job is found as the CLI finds it: `control_socket`, else the job that feeds `endpoint` /
-`uds`, else this user's only serve job on the node (ckptctl.pipeline.serve.control, which also
+`uds`, else this user's only serve job on the node (ckptctl._control_client, which also
 checks who owns the socket and who listens on it). Failures raise ckptctl.errors.CkptctlError
 subclasses whose `exit_code` is what the CLI would exit with: InvalidInput (3: the checkpoint,
 or `verify` where the server cannot), DeadlineExceeded (4), OperationFailed (1: the push
@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ckptctl._control_client import ARGUMENTS, Names, NotAnswering
 from ckptctl.errors import (
     CkptctlError,
     DeadlineExceeded,
@@ -39,7 +40,6 @@ from ckptctl.errors import (
     UsageError,
     error_for,
 )
-from ckptctl.pipeline.serve.control import ARGUMENTS, Names, NotAnswering
 
 __all__ = [
     "NotAnswering",
@@ -64,7 +64,8 @@ def find_job(
     """The control socket of the serve job to talk to, waiting up to `wait` seconds for one to
     answer (`serve &` and then the first push). `names`: how messages name the arguments
     (the CLI passes its flags)."""
-    from ckptctl.pipeline.serve.control import job_targets, resolve_socket
+    from ckptctl._control_client import resolve_socket
+    from ckptctl.pipeline.serve.control import job_targets
 
     targets = job_targets(_as_list(endpoint), _as_list(uds))
     return resolve_socket(control_socket, targets, wait, names=names)
@@ -86,7 +87,7 @@ def request(
 ) -> dict[str, Any]:
     """One request to the job on `path`; a refusal raises. `flag`: the argument that set
     `timeout`, named when it runs out."""
-    from ckptctl.pipeline.serve.control import call
+    from ckptctl._control_client import call
 
     code, doc = call(path, method, route, body, timeout, flag=flag)
     if code in (400, 409):  # a request that should not have been sent, or the wrong node
@@ -221,12 +222,20 @@ def status(
     endpoint: str | Sequence[str] = (),
     uds: str | Sequence[str] = (),
     wait: float = 0.0,
+    history: bool = False,
     names: Names = ARGUMENTS,
 ) -> dict[str, Any]:
     """What the serve job holds and did last: `ckptctl status --json`'s document (`ok`,
-    `exit_code`, `error`, `state`, `commands` = `succeeded` + `failed`, `running`, `last`...)."""
+    `exit_code`, `error`, `state`, `commands` = `succeeded` + `failed`, `running`, `last`...).
+
+    history: also the job's push log, `status --history --json`'s fields: `pushes` (the last
+    `history_limit`, oldest first: seq, checkpoint_path, weight_version, outcome, wall_s,
+    total_bytes, finished_at, server_weights...) and `pushes_run` (every push logged)."""
     path = find_job(control_socket, endpoint, uds, wait, names=names)
     doc = request(path, "GET", "/status", None, 10.0)
+    if history:
+        log = request(path, "GET", "/history", None, 30.0)
+        doc.update({k: log.get(k) for k in ("pushes", "pushes_run", "history_limit")})
     done, failed = int(doc.get("commands") or 0), int(doc.get("failed") or 0)
     return {
         **doc,
@@ -249,7 +258,7 @@ def stop(
     """Ask the serve job to stop (a push under way is cancelled); with `wait`, until it no
     longer answers (DeadlineExceeded after `wait` seconds). `ckptctl stop --json`'s document:
     `control_socket`, `stopped` (true: it no longer answers; false: asked, not waited for)."""
-    from ckptctl.pipeline.serve.control import answers
+    from ckptctl._control_client import answers
 
     path = find_job(control_socket, endpoint, uds, 0.0, names=names)
     request(path, "POST", "/stop", None, 10.0)

@@ -8,3 +8,4 @@ UDS_ENV = "CKPTCTL_UDS"
 ENGINE_ENV = "CKPTCTL_ENGINE"
 CONTROL_SOCKET_ENV = "CKPTCTL_CONTROL_SOCKET"
 DEFAULT_CHECKPOINT_NAME = "my-checkpoint-iter-0"  # the seed script's --checkpoint-name
+PUSH_LOG_SIZE = 1000  # how many pushes `ckptctl status --history` lists (the latest)

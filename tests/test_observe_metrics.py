@@ -122,8 +122,9 @@ def test_the_metrics_name_their_outcomes_and_units() -> None:
     from ckptctl.observe.metrics import ServeMetrics, outcome_of
 
     assert outcome_of({"ok": True}) == "ok"
-    assert outcome_of({"ok": False, "exit_code": 1, "restore": {"ok": True}}) == "restored"
-    assert outcome_of({"ok": False, "exit_code": 1, "restore": {"ok": False}}) == "failed"
+    assert outcome_of({"ok": True, "action": "rollback"}) == "rolled_back"
+    assert outcome_of({"ok": False, "exit_code": 1, "server_weights": "whole"}) == "restored"
+    assert outcome_of({"ok": False, "exit_code": 1, "server_weights": "partial"}) == "failed"
     assert outcome_of({"ok": False, "exit_code": 3}) == "refused"
     assert outcome_of({"ok": False, "exit_code": 130}) == "cancelled"
     page = generate_latest(ServeMetrics(lambda: None).registry).decode()

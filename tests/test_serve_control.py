@@ -1,4 +1,5 @@
-"""The serve job's control socket (ckptctl/pipeline/serve/control.py) with real Unix sockets:
+"""The serve job's control socket (ckptctl/pipeline/serve/control.py and its client half,
+ckptctl/_control_client.py) with real Unix sockets:
 where it lives and who may enter, what it refuses to replace, the peer check, the clients'
 checks, the bounded HTTP, and which job a client picks. Another user is played by uid 65534
 through `setpriv` where the machine allows it (root)."""
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 from conftest import raw_exchange, run_script
 
+from ckptctl import _control_client as control_client
 from ckptctl.errors import OperationFailed, UsageError
 from ckptctl.pipeline.serve import control
 from ckptctl.pipeline.serve.control import ControlServer
@@ -183,7 +185,7 @@ def test_a_stale_socket_of_ours_is_replaced_a_live_one_refused(short_tmp: Path) 
     try:
         with pytest.raises(UsageError, match="in use by another serve job"):
             ControlServer(path, Calls().handlers())
-        status, doc = control.call(path, "GET", "/status", None, 10)
+        status, doc = control_client.call(path, "GET", "/status", None, 10)
         assert status == 200 and doc["state"] == "idle"  # the first one still answers
     finally:
         first.close()
@@ -251,7 +253,7 @@ def test_the_server_refuses_another_uid_even_through_an_open_socket(open_dir: Pa
         assert r.stdout.startswith("HTTP/1.1 403 "), r.stdout + r.stderr
         assert "takes commands from uid" in r.stdout
         assert calls.seen == []  # the stop never reached the job
-        status, _ = control.call(path, "GET", "/status", None, 10)  # its owner still can
+        status, _ = control_client.call(path, "GET", "/status", None, 10)  # its owner still can
         assert status == 200
     finally:
         server.close()
@@ -339,7 +341,7 @@ def test_malformed_requests_get_an_answer_never_a_crash(
     doc = json.loads(answer.partition(b"\r\n\r\n")[2])
     assert doc["ok"] is False and doc["error"]
     assert calls.seen == []
-    assert control.call(path, "GET", "/status", None, 10)[0] == 200  # and it serves on
+    assert control_client.call(path, "GET", "/status", None, 10)[0] == 200  # and it serves on
 
 
 def test_a_client_that_trickles_its_request_is_cut_off(server: tuple[str, Calls]) -> None:
@@ -370,7 +372,7 @@ def test_a_client_that_trickles_its_request_is_cut_off(server: tuple[str, Calls]
 
 def test_a_request_within_bounds_reaches_its_handler(server: tuple[str, Calls]) -> None:
     path, calls = server
-    status, doc = control.call(path, "POST", "/stop", {"why": "done"}, 10)
+    status, doc = control_client.call(path, "POST", "/stop", {"why": "done"}, 10)
     assert status == 200 and doc == {"ok": True}
     assert calls.seen == [("stop", {"why": "done"})]
 
@@ -395,7 +397,7 @@ def test_two_jobs_get_two_sockets_and_clients_never_guess(runtime_dir: Path) -> 
         assert r.returncode == 2, r.stderr
         assert "2 serve jobs answer" in r.stderr and path_a in r.stderr and path_b in r.stderr
         assert json.loads(r.stdout)["ok"] is False
-        assert control.choose_socket([b + "/"]) == path_b  # named after the endpoint
+        assert control_client.choose_socket([b + "/"]) == path_b  # named after the endpoint
         r = run_script("status", "--endpoint", b, "--json", env=env, timeout=30)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["control_socket"] == path_b
@@ -405,7 +407,7 @@ def test_two_jobs_get_two_sockets_and_clients_never_guess(runtime_dir: Path) -> 
         for s in servers:
             s.close()
     with pytest.raises(OperationFailed, match="no serve job of yours answers"):
-        control.choose_socket([])
+        control_client.choose_socket([])
 
 
 def test_a_job_feeding_several_servers_is_found_by_any_one_of_them(runtime_dir: Path) -> None:
@@ -413,8 +415,8 @@ def test_a_job_feeding_several_servers_is_found_by_any_one_of_them(runtime_dir: 
     path = control.default_socket_path(servers)
     s = ControlServer(path, Calls(servers).handlers()).start()
     try:
-        assert control.choose_socket([servers[1]]) == path
-        assert control.choose_socket([]) == path  # the only one
+        assert control_client.choose_socket([servers[1]]) == path
+        assert control_client.choose_socket([]) == path  # the only one
     finally:
         s.close()
 

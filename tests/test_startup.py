@@ -39,6 +39,7 @@ def _imported(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
         ["push", "--checkpoint-path", "/nonexistent", "--weight-version", "v1", "--json"],
         ["status"],
         ["status", "--json", "-q"],
+        ["status", "--history"],
         ["stop", "--wait", "5"],
         ["rollback", "--timeout=30"],
     ],

@@ -96,7 +96,11 @@ EXAMPLES: dict[str, list[str]] = {
         "ckptctl push --endpoint URL --checkpoint-path DIR --json",
     ],
     "rollback": ["ckptctl rollback", "ckptctl rollback --endpoint URL --json"],
-    "status": ["ckptctl status", "ckptctl status --endpoint URL --json"],
+    "status": [
+        "ckptctl status",
+        "ckptctl status --history",
+        "ckptctl status --endpoint URL --json",
+    ],
     "stop": ["ckptctl stop --wait 60"],
 }
 
@@ -164,6 +168,7 @@ MAIN_FLAGS: dict[str, list[tuple[str, str]]] = {
         ("--json", "one JSON document on stdout"),
     ],
     "status": [
+        ("--history", "the job's pushes: outcome, version, seconds, when"),
         ("--endpoint URL", "the job that feeds this server"),
         ("--json", "one JSON document on stdout"),
     ],

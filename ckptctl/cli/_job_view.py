@@ -1,5 +1,6 @@
 """Showing a GPU job (update, save-metas, join): the live stage view while it runs, the
-summary at the end (rank 0), or exactly one JSON document with --json."""
+summary at the end (rank 0), or exactly one JSON document with --json; and a serve job's push
+log (`status --history`)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,48 @@ def _facts(summary: dict[str, Any]) -> list[str]:
     if "wall_s" in summary:
         facts.append(f"{summary['wall_s']:.2f}s in all")
     return facts
+
+
+def history_table(doc: dict[str, Any]) -> Any:
+    """`status --history`: a row per push the job kept, oldest first, then how many ran."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from ckptctl.progress import format_bytes
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
+    # The short columns stay on one line; outcome, version and checkpoint wrap where narrow.
+    for name, least in (
+        ("#", 0), ("outcome", 10), ("version", 8), ("checkpoint", 8),
+        ("time", 0), ("size", 0), ("when (UTC)", 0), ("server", 0),
+    ):  # fmt: skip
+        table.add_column(
+            name,
+            justify="right" if name in ("#", "time", "size") else "left",
+            no_wrap=not least,
+            min_width=least or None,
+            overflow="fold",
+        )
+    for p in doc.get("pushes") or []:
+        what = p.get("outcome") or "-"
+        if p.get("action") not in (None, "push") and what != "rolled back":
+            what += f" ({p['action']})"  # a rollback that did not go through
+        secs, when = p.get("wall_s"), p.get("finished_at")
+        table.add_row(
+            str(p.get("seq")),
+            what,
+            str(p.get("weight_version") or "-"),
+            str(p.get("checkpoint_path") or "-"),
+            "-" if secs is None else f"{secs:.2f}s",
+            format_bytes(p["total_bytes"]) if p.get("total_bytes") else "-",
+            when[5:16].replace("T", " ") if when else "-",  # MM-DD hh:mm of its ISO end
+            # None: the push never reached them, and the server kept what it held.
+            p.get("server_weights") or "unchanged",
+        )
+    run, limit = doc.get("pushes_run") or 0, doc.get("history_limit")
+    note = f"{run} push(es) run, the last {limit} kept"
+    return Group(table, Text(note)) if run else Text("no push yet")
 
 
 def _one_line(summary: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """`ckptctl serve` (a long-lived job under torchrun) and its clients `push`, `status`, `stop`.
 
-The clients talk to the job's control socket on this node (ckptctl.pipeline.serve.control):
+The clients talk to the job's control socket on this node (ckptctl._control_client):
 `--control-socket PATH`, else the socket of the job that feeds `--endpoint`/`--uds`, else the
 only serve job of this user on the node.
 """
@@ -23,6 +23,7 @@ from ckptctl.cli._observe_options import (
 )
 from ckptctl.cli._options import (
     FLAG,
+    OUTPUT,
     SERVE_JOB,
     TRANSFER,
     WAITING,
@@ -49,7 +50,7 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
+from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, PUSH_LOG_SIZE, UDS_ENV
 from ckptctl.errors import CkptctlError, UsageError, redact
 
 
@@ -265,7 +266,7 @@ def push_command(
     and, if the server had begun taking the weights, pushes the last whole checkpoint again.
     """
     from ckptctl import client
-    from ckptctl.pipeline.serve.control import FLAGS
+    from ckptctl._control_client import FLAGS
 
     out = Output(json_mode=json_output, quiet=quiet)
     path = client.find_job(control_socket, endpoint or (), uds or (), wait, names=FLAGS)
@@ -304,7 +305,7 @@ def rollback_command(
     checkpoint's files changed since it was pushed (sizes, mtimes, headers).
     """
     from ckptctl import client
-    from ckptctl.pipeline.serve.control import FLAGS
+    from ckptctl._control_client import FLAGS
 
     out = Output(json_mode=json_output, quiet=quiet)
     path = client.find_job(control_socket, endpoint or (), uds or (), 0.0, names=FLAGS)
@@ -440,26 +441,43 @@ def status_command(
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
     wait: WaitOpt = 0,
+    history: Annotated[
+        bool,
+        typer.Option(
+            "--history",
+            metavar=FLAG,
+            rich_help_panel=OUTPUT,
+            help="List the job's pushes instead, oldest first: number, checkpoint, weight "
+            "version, outcome, seconds, bytes, when, and the server's weights after it. The job "
+            f"keeps its last {PUSH_LOG_SIZE} pushes; with --json, `pushes` beside the status.",
+        ),
+    ] = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Show what a running `ckptctl serve` job on this node holds and did last."""
+    """Show what a running `ckptctl serve` job on this node holds and did last (--history:
+    every push it ran)."""
     from ckptctl import client
 
     out = Output(json_mode=json_output, quiet=quiet)
-    doc = client.status(**_which_job_kwargs(control_socket, endpoint, uds, wait))
+    which = _which_job_kwargs(control_socket, endpoint, uds, wait)
+    doc = client.status(**which, history=history)
     if json_output:
         out.result(doc)
-        return
-    out.show("\n".join(describe_status(doc, doc["control_socket"])))
+    elif history:
+        from ckptctl.cli._job_view import history_table
+
+        out.show(history_table(doc), wrap=True)
+    else:
+        out.show("\n".join(describe_status(doc, doc["control_socket"])))
 
 
 def _which_job_kwargs(
     control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
 ) -> dict[str, Any]:
     """The client's arguments that find the job, its messages naming the CLI's flags."""
-    from ckptctl.pipeline.serve.control import FLAGS
+    from ckptctl._control_client import FLAGS
 
     return {
         "control_socket": control_socket,

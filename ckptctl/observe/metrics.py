@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptctl.errors import ExitCode
-
 INSTALL_HINT = "pip install 'ckptctl[metrics]'"
 # How a push ended (a rollback counts as a push; the restore after a failed one does not).
 OUTCOMES = ("ok", "failed", "restored", "refused", "cancelled")
@@ -37,21 +35,16 @@ def missing_package() -> str | None:
     return None
 
 
+# The push log's outcomes (serve.state.outcome) as label values.
+OUTCOME_LABELS = {"refused before sending": "refused", "rolled back": "rolled_back"}
+
+
 def outcome_of(merged: dict[str, Any]) -> str:
-    """ok; restored: failed, and the server was made whole again by pushing the last whole
-    checkpoint; refused: refused before anything was sent (exit 3: a bad checkpoint, a layout
-    change, a checker the server lacks); cancelled: given up by its client or a stop (exit
-    130); failed: any other failure."""
-    if merged.get("ok"):
-        return "ok"
-    if (merged.get("restore") or {}).get("ok"):
-        return "restored"
-    code = merged.get("exit_code")
-    if code == ExitCode.INVALID_INPUT:
-        return "refused"
-    if code == ExitCode.INTERRUPTED:
-        return "cancelled"
-    return "failed"
+    """The push's outcome as a label: ok, rolled_back, restored, cancelled, refused, failed."""
+    from ckptctl.pipeline.serve.state import outcome
+
+    word = outcome(merged)
+    return OUTCOME_LABELS.get(word, word)
 
 
 class ServeMetrics:

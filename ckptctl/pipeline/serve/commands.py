@@ -20,11 +20,11 @@ connections close), one that hangs fails it at the timeout, and the job then end
 
 gloo's listening socket takes no connection once the group is up. gloo accepts every
 connection queued on it, from anyone, before it reads from any, and aborts the process when an
-accept fails: a few hundred bare connects at once, up to the `ulimit -n`, ended the job. All
-pairs connect while the group is built (lazy init off), so afterwards a socket filter that
-drops every packet makes the listener unreachable; gloo has no way to close it. A job whose ranks all run on one node (torchrun's
-LOCAL_WORLD_SIZE equal to WORLD_SIZE) builds the group on 127.0.0.1, so only local users can
-reach it even then; a job of one process builds no group at all.
+accept fails, so a flood of bare connects (up to `ulimit -n`) could end the job. All pairs
+connect while the group is built (lazy init off), so afterwards a socket filter that drops
+every packet makes the listener unreachable; gloo has no way to close it. A job whose ranks all
+run on one node (torchrun's LOCAL_WORLD_SIZE equal to WORLD_SIZE) builds the group on
+127.0.0.1, so only local users can reach it even then; a job of one process builds no group.
 """
 
 from __future__ import annotations

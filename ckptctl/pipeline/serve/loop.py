@@ -6,7 +6,8 @@ pace, about ten ticks a second and at once when a push comes in, the others wait
 tick - and run the same commands in the same order. Other nodes' control sockets answer
 `status` (this node's view, which every rank keeps: results go to every rank) and `stop`,
 and refuse `push` with the host to push on. A stop - `ckptctl stop` on any node, SIGTERM or
-SIGINT to any rank - travels in the next tick and ends every rank together.
+SIGINT to any rank - travels in the next tick and ends every rank together. What `status`
+shows is JobStatus, with the push log that `status --history` lists (state.PushLog).
 
 A push runs the stages of `update` (push.py) in a store scope of its own (`push<seq>/`), so
 that one push's keys never answer the next one's waits. Its deadline is the job's
@@ -38,6 +39,7 @@ from ckptctl.pipeline.job import Job
 from ckptctl.pipeline.serve.commands import TICK_TIMEOUT_S, CommandChannel
 from ckptctl.pipeline.serve.control import ControlServer, Handler, default_socket_path
 from ckptctl.pipeline.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock
+from ckptctl.pipeline.serve.state import PushLog, ServeState
 from ckptctl.progress import StageFigures, StageLog
 
 Executor = Callable[[Job, dict[str, Any]], dict[str, Any]]
@@ -128,7 +130,7 @@ def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[
     }
 
 
-class ServeState:
+class JobStatus:
     """What `status` shows, kept on every rank (read from the control socket's threads)."""
 
     def __init__(self, *, rank: int, world_size: int, targets: list[str]) -> None:
@@ -142,18 +144,20 @@ class ServeState:
         self.running: dict[str, Any] | None = None
         self.last: dict[str, Any] | None = None
         self.server_weights: str | None = None  # None until a push reaches the server
-        # The whole sets pushed, the one the server holds last: a rollback steps back in it.
-        self.history: list[dict[str, Any]] = []
+        # The last KEPT_WHOLE whole sets pushed, the one the server holds last: what a restore
+        # or a rollback may push again (not the push log: that is `pushes`).
+        self.whole_pushes: list[dict[str, Any]] = []
+        self.pushes = PushLog()  # every push, for `status --history`
         self.stopping = False
 
     @property
     def weights(self) -> dict[str, Any] | None:
         """The last whole set pushed."""
-        return self.history[-1] if self.history else None
+        return self.whole_pushes[-1] if self.whole_pushes else None
 
     def previous(self) -> dict[str, Any] | None:
         """The whole set before the last one: what a rollback pushes."""
-        return self.history[-2] if len(self.history) > 1 else None
+        return self.whole_pushes[-2] if len(self.whole_pushes) > 1 else None
 
     def begin(self, command: dict[str, Any]) -> None:
         with self._lock:
@@ -167,6 +171,7 @@ class ServeState:
             self.failed += not merged["ok"]
             self.running = None
             self.last = merged
+            self.pushes.add(merged)
             if merged["ok"]:
                 self.server_weights = "whole"
                 seq = merged.get("restores") or merged["seq"]
@@ -175,8 +180,8 @@ class ServeState:
                 }
                 entry.update(seq=seq, pushed_at=merged["finished_at"])
                 # A rollback (or restore) makes push `seq` the latest again.
-                self.history = [h for h in self.history if h["seq"] < seq] + [entry]
-                del self.history[:-KEPT_WHOLE]
+                self.whole_pushes = [h for h in self.whole_pushes if h["seq"] < seq] + [entry]
+                del self.whole_pushes[:-KEPT_WHOLE]
             elif merged["server_weights"] is not None:  # partial, or whole again (restored)
                 self.server_weights = merged["server_weights"]
 
@@ -202,14 +207,14 @@ class ServeState:
                 "running": running,
                 "server_weights": self.server_weights,
                 "weights": self.weights,
-                "history": self.history,
+                "whole_pushes": self.whole_pushes,
                 "last": self.last,
                 **extra,
             }
 
 
 def push_again(whole: dict[str, Any], action: str) -> dict[str, Any]:
-    """A command that pushes a whole set of the history (ServeState.history) again: a restore
+    """A command that pushes a whole set (JobStatus.whole_pushes) again: a restore
     or a rollback, with that push's checkpoint, name and weight version."""
     return {
         "action": action,
@@ -237,6 +242,9 @@ def describe_stage(st: StageFigures) -> dict[str, Any]:
 
 
 class ServeLoop:
+    """One rank's loop: the control socket's handlers (rank 0 queues pushes) and the ticks
+    that run every command on every rank in the same order."""
+
     def __init__(
         self,
         job: Job,
@@ -244,7 +252,7 @@ class ServeLoop:
         channel: CommandChannel,
         *,
         push_timeout: float,
-        state: dict[str, Any],
+        state: ServeState,
         targets: list[str],
         restore: bool = True,
         metrics: Any = None,
@@ -254,9 +262,9 @@ class ServeLoop:
         self.execute = execute
         self.channel = channel
         self.push_timeout = push_timeout
-        self.executor_state = state  # the executor's own (registered, pinned pool)
+        self.serve_state = state  # the executor's own (registered, pinned pool)
         self.rank = job.launch.rank
-        self.state = ServeState(rank=self.rank, world_size=job.launch.world_size, targets=targets)
+        self.status = JobStatus(rank=self.rank, world_size=job.launch.world_size, targets=targets)
         self._lock = threading.Lock()
         self._queue: collections.deque[_Pending] = collections.deque()
         self._next_seq = 1
@@ -271,6 +279,7 @@ class ServeLoop:
     def handlers(self) -> dict[tuple[str, str], Handler]:
         return {
             ("GET", "/status"): self.handle_status,
+            ("GET", "/history"): self.handle_history,
             ("POST", "/push"): self.handle_push,
             ("POST", "/rollback"): self.handle_rollback,
             ("POST", "/cancel"): self.handle_cancel,
@@ -281,14 +290,20 @@ class ServeLoop:
         with self._lock:
             queued = len(self._queue)
             stopping = self._stop_reason is not None
+        served = self.serve_state
         extra = {
-            k: self.executor_state.get(k)
-            for k in ("registered", "pinned_pool_bytes", "served_tensors")
+            "registered": served.registered,
+            "pinned_pool_bytes": served.pinned_pool_bytes,
+            "served_tensors": served.served_tensors,
         }
-        doc = self.state.snapshot(queued, extra, self.job.reporter.running_stages())
+        doc = self.status.snapshot(queued, extra, self.job.reporter.running_stages())
         if stopping:  # asked to stop, still ending the command under way
             doc["state"] = "stopping"
         return 200, doc
+
+    def handle_history(self, _doc: Any) -> tuple[int, dict[str, Any]]:
+        """The push log (`status --history`): apart from /status, which a push polls."""
+        return 200, {"ok": True, **self.status.pushes.snapshot()}
 
     def handle_stop(self, _doc: Any) -> tuple[int, dict[str, Any]]:
         self.request_stop("stopped by a client (ckptctl stop)")
@@ -297,7 +312,7 @@ class ServeLoop:
     def _not_here(self) -> tuple[int, dict[str, Any]] | None:
         if self.rank == 0:
             return None
-        where = self.state.hosts[0] if self.state.hosts else "rank 0's node"
+        where = self.status.hosts[0] if self.status.hosts else "rank 0's node"
         return 409, {
             "ok": False,
             "error": f"this node's serve job takes status and stop only: push on {where} "
@@ -334,7 +349,7 @@ class ServeLoop:
         if doc is not None and (not isinstance(doc, dict) or set(doc) - {"push_id"}):
             return 400, {"ok": False, "error": 'rollback takes no fields but "push_id"'}
         with self._lock:
-            earlier = self.state.previous()
+            earlier = self.status.previous()
         if earlier is None:
             return 200, {
                 "ok": False,
@@ -361,6 +376,8 @@ class ServeLoop:
                       "error": "cancelled before it ran", "seq": waiting.command["seq"],
                       "server_weights": None}  # fmt: skip
             waiting.finish(result)
+            # (logged on rank 0 alone: the other ranks never saw this push)
+            self.status.pushes.add({**waiting.command, **result, "finished_at": utc_now()})
             return 200, {"ok": True, "cancel": "cancelled", "seq": waiting.command["seq"]}
         if running is not None and running[0].get("push_id") == push_id:
             running[1].publish_abort(ExitCode.INTERRUPTED, "cancelled by its client", request=True)
@@ -369,7 +386,7 @@ class ServeLoop:
 
     def _enqueue(self, command: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self._lock:
-            if self._stop_reason is not None or self.state.stopping:
+            if self._stop_reason is not None or self.status.stopping:
                 return 503, {"ok": False, "error": "the serve job is stopping"}
             if len(self._queue) >= MAX_QUEUED:
                 return 503, {"ok": False, "error": f"{MAX_QUEUED} pushes are already waiting"}
@@ -380,7 +397,7 @@ class ServeLoop:
         self._wake.set()
         # Every push before it, then its own, each bounded by the job's watchdogs.
         per_push = self.push_timeout + HARD_GRACE_S + TICK_TIMEOUT_S
-        if not pending.done.wait(per_push * (command["seq"] - self.state.commands)):
+        if not pending.done.wait(per_push * (command["seq"] - self.status.commands)):
             return 200, {
                 "ok": False,
                 "exit_code": int(ExitCode.TIMEOUT),
@@ -454,7 +471,7 @@ class ServeLoop:
             if self.metrics is not None:
                 self.metrics.stopping()
             with self._lock:
-                self.state.stopping = True
+                self.status.stopping = True
                 left, self._queue = list(self._queue), collections.deque()
             for p in left:
                 p.finish({"ok": False, "exit_code": int(ExitCode.FAILED),
@@ -462,7 +479,7 @@ class ServeLoop:
                           "seq": p.command["seq"]})  # fmt: skip
 
     def _run(self, command: dict[str, Any]) -> dict[str, Any]:
-        self.state.begin(command)
+        self.status.begin(command)
         if self.metrics is not None:
             self.metrics.busy()
         merged = self._run_everywhere(command)
@@ -473,9 +490,9 @@ class ServeLoop:
             merged["trace"] = timeline.push_trace(
                 command["trace"], merged["ranks"], write_it=self.rank == 0
             )
-        self.state.record(merged)
+        self.status.record(merged)
         if self.metrics is not None:
-            self.metrics.pushed(merged, stages, self.state.weights)
+            self.metrics.pushed(merged, stages, self.status.weights)
         if self.rank == 0:
             what = f"{merged['action']} {merged['seq']} ({merged['checkpoint_path']})"
             self.job.reporter.log(
@@ -497,13 +514,13 @@ class ServeLoop:
         """A push failed after the server began taking its weights: push the last whole
         checkpoint again, so that the server ends whole on the previous version. Every rank
         decides alike (`merged` and the state are the same on every rank)."""
-        whole = self.state.weights
+        whole = self.status.weights
         if not self.restore or whole is None:
             why = "serve --no-restore" if not self.restore else "no whole push before it"
             merged["error"] += f" ({PARTIAL_WEIGHTS_NOTE}; not restored: {why})"
             return
         restore = {**push_again(whole, "restore"), "seq": merged["seq"]}
-        self.state.begin(restore)
+        self.status.begin(restore)
         again = self._run_everywhere(restore)
         merged["restore"] = {
             "ok": again["ok"],
@@ -600,7 +617,7 @@ def serve_loop(
     *,
     control_socket: str | None,
     push_timeout: float,
-    state: dict[str, Any] | None = None,
+    state: ServeState | None = None,
     targets: list[str] | None = None,
     restore: bool = True,
     metrics: Any = None,
@@ -621,14 +638,14 @@ def serve_loop(
             execute,
             channel,
             push_timeout=push_timeout,
-            state=state if state is not None else {},
+            state=state if state is not None else ServeState(),
             targets=targets or [],
             restore=restore,
             metrics=metrics,
         )
         # Every rank is in the group: learn where each one runs (status names rank 0's host).
         hosts = channel.gather({"host": socket.gethostname()}, TICK_TIMEOUT_S)
-        loop.state.hosts = [d["host"] for d in hosts]
+        loop.status.hosts = [d["host"] for d in hosts]
         if launch.local_rank == 0:
             path = control_socket or default_socket_path(targets or [])
             server = ControlServer(path, loop.handlers()).start()

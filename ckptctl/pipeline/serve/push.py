@@ -42,6 +42,7 @@ from ckptctl.errors import (
 )
 from ckptctl.pipeline.coordination import describe_abort
 from ckptctl.pipeline.job import Job
+from ckptctl.pipeline.serve.state import ServedLayout, ServeState
 
 Executor = Any  # Callable[[Job, dict], dict] (loop.py)
 
@@ -168,26 +169,26 @@ RESTORE_SERVER_WAIT_S = 5.0
 KEPT_WHOLE = 4
 
 
-def check_layout(state: dict[str, Any], checkpoint: Any, command: dict[str, Any]) -> None:
+def check_layout(state: ServeState, checkpoint: Any, command: dict[str, Any]) -> None:
     """Refuse (exit 3) a checkpoint whose tensors are not those the server holds, unless the
     push allows a layout change: a server fails on a tensor of another shape in the middle of
     its update, with part of the checkpoint already taken."""
-    served = state.get("layout")
+    served = state.layout
     if served is None or command.get("allow_layout_change"):
         return
     from ckptctl.checkpoint.layout import layout_change
 
-    change = layout_change(served["tensors"], checkpoint.tensors)
+    change = layout_change(served.tensors, checkpoint.tensors)
     if change is not None:
         raise InvalidInput(
             f"{command['checkpoint_path']}: its tensors are not those the server holds (from "
-            f"push {served['seq']}): {change}; a server fails on such a push mid-update and "
+            f"push {served.seq}): {change}; a server fails on such a push mid-update and "
             "keeps partly updated weights: push a checkpoint of the served layout, or pass "
             "--allow-layout-change (allow_layout_change=True from Python) if the server takes this one"
         )
 
 
-def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]) -> Executor:
+def gpu_executor(opts: Any, session: Any, assignment: Any, state: ServeState) -> Executor:
     """One command: a push (the stages of `update`, then the previous checkpoint is
     unregistered), or a restore / rollback, which pushes an earlier whole checkpoint again
     (`command["restores"]`: its push's seq) if its files have not changed since."""
@@ -199,7 +200,7 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
         name = command.get("checkpoint_name") or f"push-{command['seq']}"
         if action != "push":
             name = f"{name}-{action}-{command['seq']}"
-        if name == state.get("registered"):
+        if name == state.registered:
             name = f"{name}-{command['seq']}"  # the one being served is still registered
         from ckptctl.pipeline.update import check_consumable_together, check_consume
 
@@ -212,13 +213,13 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
         check_layout(state, checkpoint, command)
         if mode == "consume":
             check_consumable_together(job, plan)  # before any rank consumes a file
-        pool = state.get("pool")  # serve --register-mode direct: buffers kept between pushes
-        if pool is not None and mode == "direct" and state.get("registered") is not None:
+        pool = state.pool  # serve --register-mode direct: buffers kept between pushes
+        if pool is not None and mode == "direct" and state.registered is not None:
             # Its buffers are refilled with this checkpoint: the server already holds it, and
             # without p2p nobody reads it from here any more (every rank passed the previous
             # push's closing barrier).
-            session.unregister(state["registered"], pool)
-            state["registered"] = None
+            session.unregister(state.registered, pool)
+            state.registered = None
         reader = stages.prefetch_share(
             checkpoint,
             share,
@@ -237,12 +238,12 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
             # wait --server-wait at most: a server that is down fails the push, not the job.
             if action == "restore":
                 wait, flag = min(opts.server_wait, RESTORE_SERVER_WAIT_S), "a restore's wait"
-            elif state.get("server_seen"):
+            elif state.server_seen:
                 wait, flag = opts.server_wait, "serve --server-wait"
             else:
                 wait, flag = None, "serve --push-timeout"
             stages.wait_for_server(job, assignment, opts.servers.engine, limit_s=wait, flag=flag)
-            state["server_seen"] = True
+            state.server_seen = True
             verification = None
             if command.get("verify"):  # push --verify: before anything is pushed (exit 3)
                 verification = check_offers(job, assignment, round_trip=False)
@@ -295,18 +296,17 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
             if transfer_began and session.workers_connected():  # read by failure_result
                 exc.server_weights = "partial"  # type: ignore[attr-defined]
             raise
-        previous, state["registered"] = state.get("registered"), name
+        previous, state.registered = state.registered, name
         served = command.get("restores", command["seq"])  # the push whose checkpoint this is
-        state["layout"] = {"seq": served, "tensors": checkpoint.tensors}
-        state["served_tensors"] = len(checkpoint.tensors)  # (read by status)
+        state.layout = ServedLayout(served, checkpoint.tensors)
         if previous is not None:
             session.unregister(previous, pool)
         if pool is not None and mode == "consume":
             pool.trim()  # the consumed files hold this push: unpin what the pool kept idle
         if pool is not None:
-            state["pinned_pool_bytes"] = pool.pinned_bytes  # (read by status)
+            state.pinned_pool_bytes = pool.pinned_bytes  # (read by status)
         if mode != "consume":  # consumed files are gone: nothing to push again from them
-            whole = state.setdefault("whole", {})
+            whole = state.whole
             whole[served] = checkpoint
             for old in sorted(whole)[:-KEPT_WHOLE]:
                 del whole[old]
@@ -324,14 +324,14 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
     return execute
 
 
-def _check_unchanged(state: dict[str, Any], command: dict[str, Any], checkpoint: Any) -> None:
+def _check_unchanged(state: ServeState, command: dict[str, Any], checkpoint: Any) -> None:
     """A restore or rollback pushes the checkpoint of push `command["restores"]` again only if
     its files are the ones that push read (exit 3 otherwise): same files, same inodes, sizes
     and mtimes, same headers."""
     from ckptctl.checkpoint.headers import changed_since
 
     seq = command["restores"]
-    before = state.get("whole", {}).get(seq)
+    before = state.whole.get(seq)
     if before is None:
         raise InvalidInput(
             f"push {seq}'s checkpoint cannot be pushed again: its files were consumed, or it is "

@@ -10,6 +10,7 @@ from ckptctl.pipeline.job import Job
 from ckptctl.pipeline.serve.control import check_socket_path, default_socket_path, job_targets
 from ckptctl.pipeline.serve.loop import serve_loop
 from ckptctl.pipeline.serve.push import HARD_GRACE_S, gpu_executor
+from ckptctl.pipeline.serve.state import ServeState
 
 
 @dataclass
@@ -41,12 +42,12 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
         # Refuse a socket path we could not use now, not after a minute of start-up.
         control_socket = control_socket or default_socket_path(targets)
         check_socket_path(control_socket)
-    state: dict[str, Any] = {"registered": None, "pool": None}
+    state = ServeState()
     metrics = None
     if opts.metrics is not None and launch.rank == 0:  # (bound before the long start-up)
         from ckptctl.observe import metrics as observe_metrics
 
-        metrics = observe_metrics.start(*opts.metrics, lambda: state.get("pinned_pool_bytes"))
+        metrics = observe_metrics.start(*opts.metrics, lambda: state.pinned_pool_bytes)
 
     def body(job: Job) -> dict[str, Any]:
         if job.coordinator is None:  # one process: a store of our own for the rendezvous
@@ -62,7 +63,7 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
         if opts.register_mode == "direct":
             from ckptctl.pipeline.pinning import PinnedPool
 
-            state["pool"] = PinnedPool()  # pinned once, refilled by every push
+            state.pool = PinnedPool()  # pinned once, refilled by every push
         ended = serve_loop(
             job,
             gpu_executor(opts, session, assignment, state),
@@ -73,10 +74,10 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
             restore=opts.restore,
             metrics=metrics,
         )
-        if state["registered"] is not None:
-            session.unregister(state["registered"], state["pool"])
-        if state["pool"] is not None:
-            state["pool"].close()
+        if state.registered is not None:
+            session.unregister(state.registered, state.pool)
+        if state.pool is not None:
+            state.pool.close()
         return {"ok": True, "ended": ended, "world_size": launch.world_size}
 
     try:

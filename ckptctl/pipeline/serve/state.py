@@ -1,0 +1,108 @@
+"""What a serve job keeps between pushes, typed: the executor's state (ServeState) and the
+bounded log of every push it ran (PushLog), which `ckptctl status --history` lists.
+
+ServeState is written by the push that runs (push.py, on the loop's thread) and read by
+`status` (control socket threads); every rank holds its own, alike. No torch here.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptctl.defaults import PUSH_LOG_SIZE
+from ckptctl.errors import ExitCode
+
+if TYPE_CHECKING:
+    from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
+    from ckptctl.pipeline.pinning import PinnedPool
+
+
+@dataclass(frozen=True)
+class ServedLayout:
+    """The tensors the server holds: a push of another layout is refused (push.check_layout)."""
+
+    seq: int  # the push whose checkpoint it is
+    tensors: list[TensorInfo]  # their names, dtypes and shapes
+
+
+@dataclass
+class ServeState:
+    """The executor's state, from one push to the next."""
+
+    registered: str | None = None  # the checkpoint name registered with the ParameterServer
+    pool: PinnedPool | None = None  # --register-mode direct: pinned buffers refilled by each push
+    layout: ServedLayout | None = None  # what the server holds, once a push succeeded
+    pinned_pool_bytes: int | None = None  # the pool's pinned bytes after the last push
+    # The last KEPT_WHOLE whole pushes' checkpoints by seq, that a restore or rollback re-pushes.
+    whole: dict[int, Checkpoint] = field(default_factory=dict)
+    server_seen: bool = False  # the server answered once: later pushes wait --server-wait
+
+    @property
+    def served_tensors(self) -> int | None:
+        """How many tensors the server holds from the job's pushes (None before the first)."""
+        return None if self.layout is None else len(self.layout.tensors)
+
+
+def outcome(result: dict[str, Any]) -> str:
+    """How a push ended, in one word or phrase: ok, rolled back (a rollback that succeeded),
+    restored (it failed mid-transfer and the last whole push was pushed again), cancelled,
+    refused before sending (exit 3: nothing was sent), or failed."""
+    if result.get("ok"):
+        return "rolled back" if result.get("action") == "rollback" else "ok"
+    if result.get("server_weights") == "whole":
+        return "restored"
+    code = result.get("exit_code")
+    if code == ExitCode.INTERRUPTED:
+        return "cancelled"
+    if code == ExitCode.INVALID_INPUT and result.get("server_weights") is None:
+        return "refused before sending"
+    return "failed"
+
+
+class PushLog:
+    """The last `size` pushes of the job, oldest first, one entry of facts each: bounded, so
+    that a job that pushes for weeks does not grow (apart from the whole pushes a restore or a
+    rollback needs, JobStatus.whole_pushes)."""
+
+    def __init__(self, size: int = PUSH_LOG_SIZE) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._entries: collections.deque[dict[str, Any]] = collections.deque(maxlen=size)
+        self._count = 0  # every push logged, the dropped ones too
+
+    def add(self, result: dict[str, Any]) -> None:
+        """Log a push's merged result (loop.merge_results, or a push cancelled before it ran)."""
+        entry = {
+            "seq": result.get("seq"),
+            "action": result.get("action") or "push",
+            "checkpoint_path": _clip(result.get("checkpoint_path"), 1024),
+            "weight_version": _clip(result.get("weight_version"), 256),
+            "outcome": outcome(result),
+            "exit_code": result.get("exit_code"),
+            "wall_s": result.get("wall_s"),
+            "total_bytes": result.get("total_bytes"),
+            "finished_at": result.get("finished_at"),
+            "server_weights": result.get("server_weights"),
+            "error": _clip(result.get("error"), 500),
+        }
+        with self._lock:
+            self._entries.append(entry)
+            self._count += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """`status --history`'s fields: the pushes kept, how many were logged, the bound."""
+        with self._lock:
+            entries, count = list(self._entries), self._count
+        return {"pushes": entries, "pushes_run": count, "history_limit": self.size}
+
+
+def _clip(text: Any, most: int) -> str | None:
+    """At most `most` characters of `text` (None stays None): a full log, every string at its
+    longest and escaped, still fits in one control-socket answer."""
+    if text is None:
+        return None
+    text = str(text)
+    return text if len(text) <= most else text[: most - 1] + "…"
