@@ -29,7 +29,7 @@ import zmq
 from p2p_rank import LOOPBACK, P2P_TCP_ENV, use_loopback
 
 from ckptctl.errors import OperationFailed
-from ckptctl.pipeline.parameter_server import (
+from ckptctl.pipeline.parameter_server._p2p import (
     ReplyWatchingSocket,
     p2p_missing,
     prefer_system_unwinder,

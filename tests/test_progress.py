@@ -220,7 +220,7 @@ def test_format_bytes() -> None:
 
 def test_direct_registration_reports_every_byte_it_reads() -> None:
     from ckptctl.checkpoint import plan_split, read_checkpoint
-    from ckptctl.pipeline.pinning import ShareReader
+    from ckptctl.pipeline.host_memory import ShareReader
 
     checkpoint = read_checkpoint(TINY)
     share = plan_split(checkpoint, 2, "tensors").ranks[1]

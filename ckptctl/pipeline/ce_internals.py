@@ -1,0 +1,208 @@
+"""checkpoint-engine's private attributes: touched here, and nowhere else in ckptctl.
+
+Where its public API has no hook, ckptctl reaches into the ParameterServer: it wraps the zmq
+socket factory (to see every worker reply, and bound every wait), starts the socket counter at
+random, hands over buffers it pinned itself, and sets what gather_metas would from the plan
+every rank shares. None of this is a promised interface, so it runs only on the versions it
+was written for (WRITTEN_FOR): any other is refused with one line before anything private is
+touched, and a missing attribute is named rather than raised as an AttributeError. The
+version helpers import neither torch nor checkpoint-engine (`ckptctl doctor` uses them).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+from ckptctl.errors import OperationFailed
+
+DISTRIBUTION = "checkpoint-engine"
+WRITTEN_FOR = ">=0.4.2,<0.5"  # the range pyproject.toml pins
+
+
+def installed_version() -> str | None:
+    """The installed checkpoint-engine's version (its package metadata), None if there is none."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return None
+
+
+def version_problem() -> str | None:
+    """Why the installed checkpoint-engine will not do, in one line; None when it will."""
+    found, pip = installed_version(), f"pip install '{DISTRIBUTION}{WRITTEN_FOR}'"
+    if found is None:
+        return f"{DISTRIBUTION} is not installed ({pip})"
+    if _satisfies(found, WRITTEN_FOR):
+        return None
+    return f"{DISTRIBUTION} {found} is installed; ckptctl is written for {WRITTEN_FOR} ({pip})"
+
+
+def _satisfies(version: str, specifier: str) -> bool:
+    """Whether `version` meets `specifier` (>=, < and == clauses, comma-separated), as PEP 440
+    reads them: a pre- or dev release of V is below V, and `<V` does not admit one either."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)*)([^+]*)(\+.*)?", version.strip().lower())
+    if match is None:
+        return False
+    have = tuple(int(n) for n in match[1].split("."))
+    final = re.search(r"(a|b|c|rc|alpha|beta|pre|preview|dev)\d*", match[2]) is None
+    for clause in specifier.split(","):
+        op, wanted = re.fullmatch(r"\s*(>=|<|==)\s*([\d.]+)\s*", clause).groups()  # type: ignore[union-attr]
+        need = tuple(int(n) for n in wanted.split("."))
+        width = max(len(have), len(need))
+        a, b = have + (0,) * (width - len(have)), need + (0,) * (width - len(need))
+        if not {">=": a > b or (a == b and final), "<": a < b, "==": a == b and final}[op]:
+            return False
+    return True
+
+
+@functools.cache
+def _problem() -> str | None:
+    return version_problem()
+
+
+def check_version() -> None:
+    """Refuse (exit 1) a checkpoint-engine these internals were not written for."""
+    if _problem() is not None:
+        raise OperationFailed(str(_problem()))
+
+
+def _require(obj: Any, *names: str) -> None:
+    """The version check, then that `obj` has each of `names`."""
+    check_version()
+    for name in names:
+        if not hasattr(obj, name):
+            raise OperationFailed(
+                f"{DISTRIBUTION} {installed_version()} has no {type(obj).__name__}.{name}, "
+                f"which ckptctl relies on (it is written for {DISTRIBUTION}{WRITTEN_FOR})"
+            )
+
+
+def p2p_store(ps: Any) -> Any:
+    """The ParameterServer's P2PStore, None when p2p did not start."""
+    _require(ps, "_p2p_store")
+    return ps._p2p_store
+
+
+def device_uuid(ps: Any) -> str:
+    _require(ps, "_device_uuid")
+    return str(ps._device_uuid)
+
+
+def start_socket_counter(ps: Any) -> None:
+    """Start the count in the names of the ParameterServer's zmq sockets at random.
+
+    checkpoint-engine names each update's socket `ipc://@checkpoint-engine-<GPU uuid>-<count>
+    .sock` in the host's shared abstract namespace and counts from 0 in every process, so two
+    jobs updating through one GPU (a serve job and an update, tests side by side) bind the same
+    name and the second fails with EADDRINUSE; the names are also easy to guess. The ranks
+    still agree: every update all-reduces the largest count before naming anything.
+    """
+    import secrets
+
+    _require(ps, "_zmq_addr_counter")
+    ps._zmq_addr_counter = secrets.randbits(40) << 16  # room for 65536 updates
+
+
+def wrap_socket_factory(ps: Any, wrap: Callable[[Any], Any]) -> None:
+    """Make every zmq REQ socket the ParameterServer binds for an update pass through `wrap`."""
+    _require(ps, "_bind_zmq_socket")
+    bind = ps._bind_zmq_socket
+
+    def bind_wrapped() -> tuple[Any, list[tuple[str, str]]]:
+        socket, paths = bind()
+        return wrap(socket), paths
+
+    ps._bind_zmq_socket = bind_wrapped
+
+
+def add_checkpoint(ps: Any, name: str, buffers: list[Any]) -> None:
+    """Put `buffers` (MemoryBuffers) where register_checkpoint would have put them."""
+    _require(ps, "_memory_pool", "_register_parameters_to_p2p_store", "_p2p_store")
+    if name in ps._memory_pool:
+        raise OperationFailed(f"checkpoint {name!r} is already registered")
+    ps._memory_pool[name] = buffers
+    if ps._p2p_store is not None:
+        ps._register_parameters_to_p2p_store(name)
+
+
+def registered_buffers(ps: Any, name: str) -> list[Any]:
+    """The MemoryBuffers registered as `name` ([] for none)."""
+    _require(ps, "_memory_pool")
+    return list(ps._memory_pool.get(name, []))
+
+
+def forget_checkpoint(ps: Any, name: str) -> None:
+    """Drop `name` from the pool without unpinning its buffers (they go back to ours)."""
+    _require(ps, "_memory_pool")
+    del ps._memory_pool[name]
+
+
+def own_facts(ps: Any, name: str) -> dict[str, Any]:
+    """What this rank adds to a shared plan for a planned gather: its buffers' addresses, sizes
+    and tensor counts, its host, GPU and p2p store (what gather_metas sends)."""
+    from ckptctl.pipeline.engine import engine_module
+
+    _require(ps, "_memory_pool", "_p2p_store", "_device_uuid", "_rdma_device")
+    own = ps._memory_pool.get(name, [])
+    return {
+        "ptrs": [b.buffer.data_ptr() for b in own],
+        "sizes": [b.size for b in own],
+        "tensors": [len(b.metas) for b in own],
+        "p2p_store_addr": None if ps._p2p_store is None else ps._p2p_store.addr,
+        "host_ip": engine_module("device_utils").get_ip(),
+        "device_uuid": ps._device_uuid,
+        "rdma_device": ps._rdma_device or "",
+    }
+
+
+def apply_gathered(
+    ps: Any, docs: list[dict[str, Any]], planned: dict[int, list[tuple[int, list[Any]]]]
+) -> None:
+    """Leave `ps` as gather_metas would, from every rank's `own_facts` (`docs`, in rank order)
+    and the plan's buffers: the global metas (ranks without buffers left out), the hosts and
+    GPU UUIDs (kept from the first gather), the RDMA topology. tests/test_engine_internals.py
+    runs gather_metas beside this and compares everything either sets."""
+    from ckptctl.pipeline.engine import engine_module
+
+    _require(ps, "_gpu_count", "_all_hosts", "_global_device_uuids", "_local_rdma_devices")
+    types = engine_module("data_types")
+    global_metas: dict[int, Any] = {}
+    all_hosts: list[str] = []
+    device_uuids: list[str] = []
+    for rank, doc in enumerate(docs):
+        buffers = planned.get(rank, [])
+        if doc["sizes"] != [size for size, _ in buffers] or doc["tensors"] != [
+            len(metas) for _, metas in buffers
+        ]:
+            raise OperationFailed(
+                f"rank {rank} registered buffers of {doc['sizes']} bytes, not the "
+                f"{[size for size, _ in buffers]} this rank planned for it: the ranks run "
+                "different ckptctl versions or see different checkpoints"
+            )
+        if rank % ps._gpu_count == 0 and not ps._all_hosts:
+            all_hosts.append(doc["host_ip"])
+        if not ps._global_device_uuids:
+            device_uuids.append(doc["device_uuid"])
+        if buffers:
+            global_metas[rank] = types.MemoryBufferMetaList.model_construct(
+                p2p_store_addr=doc["p2p_store_addr"],
+                rdma_device=doc["rdma_device"],
+                memory_buffer_metas_list=[
+                    types.MemoryBufferMetas.model_construct(metas=metas, ptr=ptr, size=size)
+                    for (size, metas), ptr in zip(buffers, doc["ptrs"], strict=True)
+                ],
+            )
+        addr = doc["p2p_store_addr"]
+        key = doc["rdma_device"] + "@" + addr.split(":")[0] if addr else doc["host_ip"]
+        ps._local_rdma_devices[key].add(rank)
+    ps._current_global_parameter_metas = global_metas
+    if not ps._all_hosts:
+        ps._all_hosts = all_hosts
+    if not ps._global_device_uuids:
+        ps._global_device_uuids = device_uuids
+    ps._remote_rdma_devices = ps._local_rdma_devices.copy()
