@@ -19,7 +19,7 @@ import zmq
 from conftest import wait_until
 
 import ckptctl.pipeline.parameter_server._transfer_sockets as ps_module
-from ckptctl.pipeline.parameter_server import ReplyWatchingSocket
+from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket
 
 RELEASED: list[tuple[Any, ...]] = []
 

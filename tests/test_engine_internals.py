@@ -26,7 +26,7 @@ from fake_server import torchrun_cmd
 from ckptctl.checkpoint import plan_split, read_checkpoint
 from ckptctl.checkpoint.loader import torch_layout
 from ckptctl.pipeline.engine import engine_module
-from ckptctl.pipeline.host_memory import _bucket_metas, _file_reads
+from ckptctl.pipeline.host_memory import _file_reads, _share_reader
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,7 +99,7 @@ def test_fast_metas_equal_validated_ones_for_every_dtype(tmp_path: Path) -> None
     tensors = mixed_tensors(seed=4) | {f"same.{i}": torch.zeros(3, 5) for i in range(4)}
     ckpt = read_checkpoint(write_real_checkpoint(tmp_path / "ck", [tensors]))
     (bucket,) = _file_reads.layout(ckpt.tensors)
-    fast = _bucket_metas.MetaMaker()(bucket)
+    fast = _share_reader.MetaMaker()(bucket)
     meta_cls = engine_module("data_types").ParameterMeta
     for meta, (t, _) in zip(fast, bucket.placed, strict=True):
         dtype, shape = torch_layout(t)
@@ -237,7 +237,7 @@ def test_a_rank_whose_buffers_differ_from_its_plan_is_refused(ckpt: Path) -> Non
     from ckptctl.pipeline.ce_internals import apply_gathered
 
     checkpoint = read_checkpoint(ckpt)
-    planned = _bucket_metas.planned_buffers(plan_split(checkpoint, 2, "tensors"))
+    planned = _share_reader.planned_buffers(plan_split(checkpoint, 2, "tensors"))
     ps = object.__new__(engine_module("ps").ParameterServer)
     ps._gpu_count, ps._all_hosts, ps._global_device_uuids = 1, [], []
     ps._local_rdma_devices = defaultdict(set)

@@ -16,7 +16,7 @@ import weakref
 import pytest
 
 from ckptctl.errors import OperationFailed
-from ckptctl.pipeline.parameter_server import ParameterServerSession, drop_frames
+from ckptctl.pipeline.parameter_server._session import ParameterServerSession, drop_frames
 
 
 class TransferBuffer:

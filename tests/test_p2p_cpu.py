@@ -30,11 +30,11 @@ from p2p_rank import LOOPBACK, P2P_TCP_ENV, use_loopback
 
 from ckptctl.errors import OperationFailed
 from ckptctl.pipeline.parameter_server._p2p import (
-    ReplyWatchingSocket,
     p2p_missing,
     prefer_system_unwinder,
     watch_p2p_reads,
 )
+from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket
 
 PROBE = Path(__file__).with_name("p2p_tcp_probe.py")
 

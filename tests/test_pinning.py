@@ -1,5 +1,5 @@
-"""Direct registration (pipeline/host_memory) on CPU: the layout checkpoint-engine expects and every byte
-read into place, for every dtype; pinning itself needs CUDA (GPU tests)."""
+"""Direct registration (pipeline/host_memory) on CPU: the layout checkpoint-engine expects and
+every byte read into place, for every dtype; pinning itself needs CUDA (GPU tests)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +29,11 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp_path_factory.mktemp("ck"),
         [{n: mixed[n] for n in names[::2]} | big, {n: mixed[n] for n in names[1::2]}],
     )
+
+
+def read_share(checkpoint: Any, tensors: Any, *, pin: bool, threads: int | None = None) -> Any:
+    """A share as checkpoint-engine MemoryBuffers, read (and pinned) by a ShareReader."""
+    return host_memory.ShareReader(checkpoint, tensors, threads, pin=pin).result()
 
 
 def test_layout_is_aligned_contiguous_and_in_file_order(ckpt: Path) -> None:
@@ -61,7 +67,7 @@ def test_every_byte_lands_in_place_for_every_dtype(ckpt: Path, world: int) -> No
         expected |= load_file(str(ckpt / f))
     seen = set()
     for rank in plan_split(checkpoint, world, "tensors").ranks:
-        for buf in host_memory.read_share(checkpoint, list(rank.tensors), pin=False, threads=4):
+        for buf in read_share(checkpoint, list(rank.tensors), pin=False, threads=4):
             assert buf.buffer.numel() == buf.size and not buf.manually_pinned
             offset = 0
             for meta in buf.metas:
@@ -80,7 +86,7 @@ def test_big_tensors_are_read_in_pieces_by_several_threads(
 ) -> None:
     monkeypatch.setattr(reads, "READ_CHUNK", 4096)
     checkpoint = read_checkpoint(ckpt)
-    (buf,) = host_memory.read_share(checkpoint, list(checkpoint.tensors), pin=False, threads=8)
+    (buf,) = read_share(checkpoint, list(checkpoint.tensors), pin=False, threads=8)
     big = load_file(str(ckpt / checkpoint.files[0]))["big.1"]
     start = 0
     for meta in buf.metas:
@@ -102,7 +108,7 @@ def test_a_file_that_shrank_since_planning_is_invalid_input(tmp_path: Path, ckpt
     from ckptctl.errors import InvalidInput
 
     with pytest.raises(InvalidInput, match="changed since the checkpoint was planned"):
-        host_memory.read_share(checkpoint, list(checkpoint.tensors), pin=False)
+        read_share(checkpoint, list(checkpoint.tensors), pin=False)
 
 
 def test_peak_rss_is_one_copy(tmp_path: Path) -> None:
@@ -115,12 +121,12 @@ def test_peak_rss_is_one_copy(tmp_path: Path) -> None:
     code = f"""
 import os, torch
 from ckptctl.checkpoint import read_checkpoint
-from ckptctl.pipeline.host_memory import read_share
+from ckptctl.pipeline.host_memory import ShareReader
 def rss():
     return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
 ck = read_checkpoint({str(root)!r})
 before = rss()
-bufs = read_share(ck, list(ck.tensors), pin=False)
+bufs = ShareReader(ck, ck.tensors, pin=False).result()
 print(rss() - before)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -318,7 +324,7 @@ def test_neighbours_are_read_in_one_request_skipping_the_padding(tmp_path: Path)
     expected = {}
     for f in checkpoint.files:
         expected |= load_file(str(checkpoint.path_of(f)))
-    _check_bytes(host_memory.read_share(checkpoint, list(checkpoint.tensors), pin=False), expected)
+    _check_bytes(read_share(checkpoint, list(checkpoint.tensors), pin=False), expected)
 
 
 @pytest.mark.parametrize(("iov_max", "chunk"), [(7, 1 << 20), (1024, 300), (3, 100)])
@@ -335,9 +341,7 @@ def test_requests_are_bounded_by_iov_max_and_the_chunk(
     for f in checkpoint.files:
         expected |= load_file(str(checkpoint.path_of(f)))
     for threads in (1, 3):
-        buffers = host_memory.read_share(
-            checkpoint, list(checkpoint.tensors), pin=False, threads=threads
-        )
+        buffers = read_share(checkpoint, list(checkpoint.tensors), pin=False, threads=threads)
         _check_bytes(buffers, expected)
 
 
@@ -350,6 +354,26 @@ def test_a_tensors_split_of_many_small_tensors_reads_runs(tmp_path: Path) -> Non
     for share in plan.ranks:
         runs = reads.read_runs(reads.layout(share.tensors))
         assert len(runs) <= 2, len(runs)
+
+
+@pytest.mark.parametrize("chunk", [20, 1 << 20])
+def test_the_progress_counts_every_byte_and_tensor_once_it_is_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """ReadProgress: a tensor read in pieces (chunk 20) counts once its last piece is in, and
+    neighbours read together (a large chunk) count one each."""
+    monkeypatch.setattr(reads, "READ_CHUNK", chunk)
+    checkpoint = read_checkpoint(_many_small(tmp_path / "ck", count=30))
+    reads_seen: list[int] = []
+    reader = host_memory.ShareReader(
+        checkpoint, checkpoint.tensors, pin=False, on_read=reads_seen.append
+    )
+    progress = reader.progress
+    assert (progress.total_bytes, progress.total_tensors) == (checkpoint.total_bytes, 60)
+    reader.result()
+    assert progress.done.is_set() and sum(reads_seen) == progress.bytes_read
+    assert (progress.bytes_read, progress.tensors_read) == (checkpoint.total_bytes, 60)
+    assert (len(reads_seen) > 60) == (chunk == 20)  # pieces, or runs of many tensors
 
 
 @pytest.mark.parametrize(
@@ -436,7 +460,7 @@ def test_the_first_import_of_torch_is_timed_once() -> None:
     """A one-process job's first `import torch` falls in its start stage, which says so
     (stages.start_parameter_server): timed where torch was not imported yet, None after."""
     code = (
-        "from ckptctl.pipeline.host_memory import import_torch, torch_is_imported\n"
+        "from ckptctl.pipeline.host_memory._cuda_pinning import import_torch, torch_is_imported\n"
         "before = torch_is_imported()\n"
         "first, second = import_torch(), import_torch()\n"
         "print(before, first is not None and first > 0, second, torch_is_imported())\n"
@@ -452,10 +476,10 @@ def test_torch_being_imported_is_not_imported_yet(tmp_path: Path) -> None:
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text(
-        "from ckptctl.pipeline.host_memory import torch_is_imported\nDURING = torch_is_imported()\n"
+        "from ckptctl.pipeline.host_memory._cuda_pinning import torch_is_imported\nDURING = torch_is_imported()\n"
     )
     code = (
-        "from ckptctl.pipeline.host_memory import torch_is_imported\n"
+        "from ckptctl.pipeline.host_memory._cuda_pinning import torch_is_imported\n"
         "import torch\n"
         "print(torch.DURING, torch_is_imported())\n"
     )

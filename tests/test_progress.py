@@ -248,7 +248,7 @@ def test_the_update_counts_a_bucket_once_the_worker_loaded_it() -> None:
     import torch
     import zmq
 
-    from ckptctl.pipeline.parameter_server import ReplyWatchingSocket
+    from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket
 
     ctx = zmq.Context()
     address = f"ipc://@ckptctl-test-buckets-{os.getpid()}-{time.monotonic_ns()}"

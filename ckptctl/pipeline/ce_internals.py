@@ -1,12 +1,10 @@
 """checkpoint-engine's private attributes: touched here, and nowhere else in ckptctl.
 
-Where its public API has no hook, ckptctl reaches into the ParameterServer: it wraps the zmq
-socket factory (to see every worker reply, and bound every wait), starts the socket counter at
-random, hands over buffers it pinned itself, and sets what gather_metas would from the plan
-every rank shares. None of this is a promised interface, so it runs only on the versions it
-was written for (WRITTEN_FOR): any other is refused with one line before anything private is
-touched, and a missing attribute is named rather than raised as an AttributeError. The
-version helpers import neither torch nor checkpoint-engine (`ckptctl doctor` uses them).
+Where its public API has no hook, ckptctl wraps the ParameterServer's zmq socket factory,
+starts its socket counter at random, hands it buffers pinned by us, and sets what gather_metas
+would from the shared plan. None of it is a promised interface: on a version other than
+WRITTEN_FOR it refuses with one line before touching anything, and names a missing attribute.
+The version helpers import neither torch nor checkpoint-engine (`ckptctl doctor` uses them).
 """
 
 from __future__ import annotations
@@ -43,36 +41,29 @@ def version_problem() -> str | None:
 
 
 def _satisfies(version: str, specifier: str) -> bool:
-    """Whether `version` meets `specifier` (>=, < and == clauses, comma-separated), as PEP 440
-    reads them: a pre- or dev release of V is below V, and `<V` does not admit one either."""
+    """Whether `version` meets `specifier` (">=A,<B"), as PEP 440 reads it: a pre- or dev
+    release of A is below A, and `<B` does not admit one of B either."""
     match = re.fullmatch(r"(\d+(?:\.\d+)*)([^+]*)(\+.*)?", version.strip().lower())
+    bounds = re.fullmatch(r">=\s*([\d.]+)\s*,\s*<\s*([\d.]+)", specifier.strip())
+    assert bounds is not None, f"not a >=A,<B range: {specifier!r}"
     if match is None:
         return False
-    have = tuple(int(n) for n in match[1].split("."))
+    have, low, high = (tuple(map(int, v.split("."))) for v in (match[1], *bounds.groups()))
+    have, low, high = (v + (0,) * (4 - len(v)) for v in (have, low, high))
     final = re.search(r"(a|b|c|rc|alpha|beta|pre|preview|dev)\d*", match[2]) is None
-    for clause in specifier.split(","):
-        op, wanted = re.fullmatch(r"\s*(>=|<|==)\s*([\d.]+)\s*", clause).groups()  # type: ignore[union-attr]
-        need = tuple(int(n) for n in wanted.split("."))
-        width = max(len(have), len(need))
-        a, b = have + (0,) * (width - len(have)), need + (0,) * (width - len(need))
-        if not {">=": a > b or (a == b and final), "<": a < b, "==": a == b and final}[op]:
-            return False
-    return True
+    return (low < have or (low == have and final)) and have < high
 
 
-@functools.cache
-def _problem() -> str | None:
-    return version_problem()
-
-
+@functools.cache  # (once it passed: a refusal is not cached, and ends the command anyway)
 def check_version() -> None:
     """Refuse (exit 1) a checkpoint-engine these internals were not written for."""
-    if _problem() is not None:
-        raise OperationFailed(str(_problem()))
+    problem = version_problem()
+    if problem is not None:
+        raise OperationFailed(problem)
 
 
-def _require(obj: Any, *names: str) -> None:
-    """The version check, then that `obj` has each of `names`."""
+def _require(obj: Any, *names: str) -> Any:
+    """The version check, then that `obj` has each of `names`: the first one's value."""
     check_version()
     for name in names:
         if not hasattr(obj, name):
@@ -80,28 +71,23 @@ def _require(obj: Any, *names: str) -> None:
                 f"{DISTRIBUTION} {installed_version()} has no {type(obj).__name__}.{name}, "
                 f"which ckptctl relies on (it is written for {DISTRIBUTION}{WRITTEN_FOR})"
             )
+    return getattr(obj, names[0])
 
 
 def p2p_store(ps: Any) -> Any:
     """The ParameterServer's P2PStore, None when p2p did not start."""
-    _require(ps, "_p2p_store")
-    return ps._p2p_store
+    return _require(ps, "_p2p_store")
 
 
 def device_uuid(ps: Any) -> str:
-    _require(ps, "_device_uuid")
-    return str(ps._device_uuid)
+    return str(_require(ps, "_device_uuid"))
 
 
 def start_socket_counter(ps: Any) -> None:
-    """Start the count in the names of the ParameterServer's zmq sockets at random.
-
-    checkpoint-engine names each update's socket `ipc://@checkpoint-engine-<GPU uuid>-<count>
-    .sock` in the host's shared abstract namespace and counts from 0 in every process, so two
-    jobs updating through one GPU (a serve job and an update, tests side by side) bind the same
-    name and the second fails with EADDRINUSE; the names are also easy to guess. The ranks
-    still agree: every update all-reduces the largest count before naming anything.
-    """
+    """Start the count in the names of the ParameterServer's zmq sockets at random: they live
+    in the host's shared abstract namespace and count from 0 in every process, so two jobs on
+    one GPU would bind the same name (EADDRINUSE), and anyone could guess it. The ranks still
+    agree: every update all-reduces the largest count before naming anything."""
     import secrets
 
     _require(ps, "_zmq_addr_counter")
@@ -110,8 +96,7 @@ def start_socket_counter(ps: Any) -> None:
 
 def wrap_socket_factory(ps: Any, wrap: Callable[[Any], Any]) -> None:
     """Make every zmq REQ socket the ParameterServer binds for an update pass through `wrap`."""
-    _require(ps, "_bind_zmq_socket")
-    bind = ps._bind_zmq_socket
+    bind = _require(ps, "_bind_zmq_socket")
 
     def bind_wrapped() -> tuple[Any, list[tuple[str, str]]]:
         socket, paths = bind()
@@ -132,14 +117,12 @@ def add_checkpoint(ps: Any, name: str, buffers: list[Any]) -> None:
 
 def registered_buffers(ps: Any, name: str) -> list[Any]:
     """The MemoryBuffers registered as `name` ([] for none)."""
-    _require(ps, "_memory_pool")
-    return list(ps._memory_pool.get(name, []))
+    return list(_require(ps, "_memory_pool").get(name, []))
 
 
 def forget_checkpoint(ps: Any, name: str) -> None:
     """Drop `name` from the pool without unpinning its buffers (they go back to ours)."""
-    _require(ps, "_memory_pool")
-    del ps._memory_pool[name]
+    del _require(ps, "_memory_pool")[name]
 
 
 def own_facts(ps: Any, name: str) -> dict[str, Any]:
@@ -147,8 +130,7 @@ def own_facts(ps: Any, name: str) -> dict[str, Any]:
     and tensor counts, its host, GPU and p2p store (what gather_metas sends)."""
     from ckptctl.pipeline.engine import engine_module
 
-    _require(ps, "_memory_pool", "_p2p_store", "_device_uuid", "_rdma_device")
-    own = ps._memory_pool.get(name, [])
+    own = _require(ps, "_memory_pool", "_p2p_store", "_device_uuid", "_rdma_device").get(name, [])
     return {
         "ptrs": [b.buffer.data_ptr() for b in own],
         "sizes": [b.size for b in own],
@@ -176,13 +158,12 @@ def apply_gathered(
     device_uuids: list[str] = []
     for rank, doc in enumerate(docs):
         buffers = planned.get(rank, [])
-        if doc["sizes"] != [size for size, _ in buffers] or doc["tensors"] != [
-            len(metas) for _, metas in buffers
-        ]:
+        sizes, counts = [size for size, _ in buffers], [len(metas) for _, metas in buffers]
+        if doc["sizes"] != sizes or doc["tensors"] != counts:
             raise OperationFailed(
-                f"rank {rank} registered buffers of {doc['sizes']} bytes, not the "
-                f"{[size for size, _ in buffers]} this rank planned for it: the ranks run "
-                "different ckptctl versions or see different checkpoints"
+                f"rank {rank} registered buffers of {doc['sizes']} bytes, not the {sizes} this "
+                "rank planned for it: the ranks run different ckptctl versions or see "
+                "different checkpoints"
             )
         if rank % ps._gpu_count == 0 and not ps._all_hosts:
             all_hosts.append(doc["host_ip"])

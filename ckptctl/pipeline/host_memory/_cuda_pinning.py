@@ -1,14 +1,12 @@
-"""Pinning host memory in place for CUDA, and undoing it.
-
-Buffers are registered with flags 0, as checkpoint-engine's in-place pinning does, so that its
-unpinning finds what it expects. Pinning goes through ctypes (which lets go of the GIL, unlike
-torch's binding) so that the rank's main thread runs meanwhile; before torch is imported it
-goes through the CUDA driver (`DriverPin`). Memory that cannot be unpinned is never freed.
-"""
+"""Pinning host memory in place for CUDA, and undoing it: with flags 0, as checkpoint-engine's
+in-place pinning does (its unpinning checks them), through ctypes (which lets go of the GIL,
+unlike torch's binding), before torch is imported through the CUDA driver (`DriverPin`).
+Memory that cannot be unpinned is never freed."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import time
@@ -36,46 +34,30 @@ def pin_in_place(buffer: torch.Tensor) -> None:
         )
 
 
-_runtime: dict[str, Any] = {}
-
-
+@functools.cache
 def _runtime_function(name: str) -> Any:
-    """A CUDA runtime function from the process's global symbols (ctypes releases the GIL
-    while it runs), or None when there is none (no CUDA loaded: the caller falls back)."""
-    if name not in _runtime:
-        try:
-            function = getattr(ctypes.CDLL(None), name)
-        except (AttributeError, OSError):
-            return None
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        _runtime[name] = function
-    return _runtime[name]
+    """A CUDA runtime function from the process's global symbols, or None (no CUDA loaded)."""
+    try:
+        function = getattr(ctypes.CDLL(None), name)
+    except (AttributeError, OSError):
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    return function
 
 
 class DriverPin:
-    """Pinning before torch is imported, through the CUDA driver (libcuda) with ctypes.
-
-    The share is read long before `import torch` ends; pinning then, rather than after it,
-    takes the context and the pinning off the rank's critical path. The reading thread makes
-    the rank's GPU's primary context current - the one the CUDA runtime (torch,
-    checkpoint-engine, NCCL) takes up later - and registers the buffers as `pin_in_place` does.
-
-    `for_rank` returns None where there is no driver or no GPU: the caller pins the usual way
-    once torch is there. `is_torchs_gpu` checks afterwards that the driver's device is the one
-    torch gives the rank (same ordinal, same PCI address); if not, the caller unpins and
-    `release`s the context here (it would hold memory on another rank's GPU) and pins again.
-    """
+    """Pinning through the CUDA driver before torch is imported (the share is read long before
+    `import torch` ends), in the rank's GPU's primary context - the one the CUDA runtime takes
+    up later. None from `for_rank` without a driver or GPU: the caller pins once torch is there,
+    as it does after `release` where `is_torchs_gpu` says torch gives the rank another GPU."""
 
     _SUCCESS = 0
     _PCI_BUS_ID, _PCI_DEVICE_ID, _PCI_DOMAIN_ID = 33, 34, 50  # CUdevice_attribute
 
     def __init__(self, lib: Any, register: Any, release: Any, device: int, ordinal: int) -> None:
-        self._lib = lib
-        self._register = register
-        self._release = release
-        self.device = device
-        self.ordinal = ordinal
+        self._lib, self._register, self._release = lib, register, release
+        self.device, self.ordinal = device, ordinal
         self.pinned: list[int] = []  # the addresses pinned here, in order
 
     @classmethod
@@ -161,8 +143,7 @@ class DriverPin:
 
 
 def torch_is_imported() -> bool:
-    """Whether `import torch` has finished (a module being imported is in sys.modules already,
-    its spec marked as initializing)."""
+    """Whether `import torch` has finished (not only begun: its spec says `_initializing`)."""
     module = sys.modules.get("torch")
     spec = getattr(module, "__spec__", None)
     return module is not None and not getattr(spec, "_initializing", False)
@@ -179,9 +160,8 @@ def import_torch() -> float | None:
     return time.perf_counter() - started
 
 
-# Host memory that could not be unpinned. CUDA still has it registered, so it is never
-# unmapped: pages the system could hand out again while the driver holds them, and a range a
-# later registration would collide with. Kept for the life of the process.
+# Host memory that could not be unpinned: never unmapped while CUDA has it registered (the
+# system could hand its pages out again, a later registration would collide with it).
 kept_registered: list[Any] = []
 
 

@@ -1,11 +1,6 @@
-"""Reading a share's tensors from its safetensors files into host buckets, by many threads.
-
-Tensors are placed in file order (checkpoint-engine only needs each bucket's metas in the order
-of their offsets), 256-byte aligned, so that the reads run through each file front to back:
-neighbouring tensors are one `os.preadv` (each into its own place, the padding skipped), big
-ones are read in pieces that threads share, and no thread holds the GIL longer than a slice, so
-the rank's main thread (`import torch`, the ParameterServer's start) runs meanwhile. Files are
-opened read-only. `ReadProgress` says how far the reading has got.
+"""Reading a share's tensors from its files (read-only) into host buckets, in file order and
+256-byte aligned: neighbours are one `os.preadv`, big tensors are read in pieces that threads
+share, and no thread holds the GIL for long (the rank's `import torch` runs meanwhile).
 """
 
 from __future__ import annotations
@@ -36,9 +31,8 @@ def aligned(nbytes: int) -> int:
 
 
 def read_threads(requested: int | None = None) -> int:
-    """Reader threads for one rank: the cores this process may use, shared with the other ranks
-    on the node (LOCAL_WORLD_SIZE) unless the launcher already gave each rank its own cores, at
-    most MAX_READ_THREADS; `requested` (--read-threads) wins."""
+    """Reader threads for one rank: its cores (shared with the node's other ranks unless the
+    launcher gave each its own), at most MAX_READ_THREADS; `requested` (--read-threads) wins."""
     if requested:
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -89,9 +83,8 @@ class ReadRun:
 
 
 def read_runs(buckets: list[HostBucket]) -> list[ReadRun]:
-    """The reads that fill `buckets`: tensors that follow each other in a file and in a bucket
-    coalesce into one request of at most READ_CHUNK bytes and IOV_MAX buffers; a larger tensor
-    is read in READ_CHUNK pieces, so that several threads share it."""
+    """The reads that fill `buckets`: neighbours in a file and a bucket coalesce into one of at
+    most READ_CHUNK bytes and IOV_MAX buffers; a larger tensor is read in READ_CHUNK pieces."""
     runs: list[ReadRun] = []
     run: ReadRun | None = None
     for b, bucket in enumerate(buckets):
@@ -130,11 +123,9 @@ def read_runs(buckets: list[HostBucket]) -> list[ReadRun]:
 
 
 class ReadProgress:
-    """How far the reading of some buckets has got, readable from any thread while it runs:
-    `bytes_read` of `total_bytes`, `tensors_read` of `total_tensors` (a tensor counts once its
-    last byte is in its bucket; empty ones from the start), and `done`, set once every byte is
-    in (never after a failure). `on_read(n)` is also called with each read's bytes, from the
-    reading threads (the progress display)."""
+    """How far the reading of some buckets has got, for any thread while it runs: `bytes_read`
+    of `total_bytes`, `tensors_read` of `total_tensors` (a tensor counts once its last byte is
+    in), `done` once all is in (never after a failure). `on_read(n)` gets each read's bytes."""
 
     def __init__(
         self, buckets: list[HostBucket], on_read: Callable[[int], None] | None = None
@@ -167,13 +158,9 @@ def fill(
     progress: ReadProgress | None = None,
     drop_cache: bool = False,
 ) -> None:
-    """Read every tensor into its place; `targets` are writable byte views of the buckets.
-
-    `threads` threads take the runs in file order. `fresh`: the targets are untouched anonymous
-    memory, populated run by run just before it is read into (`_Populate`). `progress` counts
-    each run as it lands. `drop_cache`: drop what was read of each file from the page cache
-    once its last run is in (`_OpenFiles`).
-    """
+    """Read every tensor into its place in `targets` (writable views of the buckets), with
+    `threads` threads taking the runs in file order. `fresh`: the targets are untouched memory,
+    populated run by run (`_Populate`). `drop_cache`: see `_OpenFiles`."""
     runs = read_runs(buckets) if runs is None else runs
     populate = _Populate(targets) if fresh else None
     files = _OpenFiles(checkpoint, runs, drop_cache=drop_cache)
@@ -221,15 +208,11 @@ def fill(
 
 
 class _OpenFiles:
-    """The shards' fds, each opened when its first run is read and closed after its last: the
-    runs go in file order, so about one file per reader thread is open at a time (a checkpoint
-    of thousands of shards opened all at once ran out of file descriptors).
+    """The shards' fds, each open from its first run to its last: about one per reader thread
+    at a time (thousands of shards opened at once would run out of file descriptors).
 
-    drop_cache: before a file is closed, posix_fadvise(DONTNEED) over the span of it that the
-    runs read: those bytes are in the buffers now, and kept in the page cache too they would
-    take the node's memory twice. Only this rank's span: another rank of the node may still be
-    reading its own. Advice, not a guarantee: a filesystem that keeps its pages (tmpfs) keeps
-    them."""
+    drop_cache: before a file is closed, posix_fadvise(DONTNEED) over the span this rank read
+    (in the buffers now, it would take the node's memory twice); only advice (tmpfs keeps)."""
 
     def __init__(self, checkpoint: Checkpoint, runs: list[ReadRun], drop_cache: bool) -> None:
         self._checkpoint = checkpoint
@@ -247,8 +230,7 @@ class _OpenFiles:
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:
-                # Still the file that was planned (else exit 3); a cut during the reads is
-                # caught as a short read.
+                # Still the file that was planned (else exit 3); a cut later is a short read.
                 fd = self._fds[file] = open_planned(self._checkpoint, file)
             return fd
 
@@ -335,12 +317,3 @@ def anonymous_memory(size: int) -> Any:
     if size <= 0:
         return bytearray(0)
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-
-
-def address_of(memory: Any) -> int:
-    """Where a writable buffer (an anonymous mapping) starts."""
-    view = ctypes.c_char.from_buffer(memory)
-    try:
-        return ctypes.addressof(view)
-    finally:
-        del view  # (lets the mapping be closed later)

@@ -30,12 +30,9 @@ def writable_view(tensor: torch.Tensor) -> memoryview:
 
 
 class PinnedPool:
-    """Pinned host buffers kept from one push to the next (`serve --register-mode direct`).
-
-    Pinning gigabytes (cudaHostRegister) and faulting in fresh pages is most of what
-    registering costs once the file pages are cached; a long-lived job pins its buffers once
-    and reads each new checkpoint into them. A buffer is handed out whole or as a prefix view.
-    """
+    """Pinned host buffers kept from one push to the next (`serve --register-mode direct`):
+    pinning and faulting in fresh pages is most of what registering costs once the files are
+    cached. A buffer is handed out whole or as a prefix view."""
 
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []  # pinned, unused

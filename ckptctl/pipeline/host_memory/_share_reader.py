@@ -1,41 +1,93 @@
-"""Reading a rank's share straight into the host buffers checkpoint-engine sends from.
-
-checkpoint-engine's `register_checkpoint(named_tensors=...)` copies every tensor into pinned
-buffers it allocates, from views of the file mapping: the rank holds the data twice while it
-registers. Here each tensor is read straight into its place in a bucket that is then pinned in
-place, and the buckets are handed over as `register_checkpoint` would have built them
-(`MemoryBuffer(buffer, size, metas, manually_pinned=True)`, 256-byte aligned tensors), so that
-gather, update and unregister work as before. Nothing is ever written to the files.
+"""Reading a rank's share straight into the host buffers checkpoint-engine sends from, instead
+of its `register_checkpoint` copying every tensor into buffers of its own (the data twice): the
+buckets, pinned in place, are handed over as it would have built them, metas and all (built
+unvalidated, and for every rank from the shared plan: `planned_buffers`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
 from ckptctl.errors import OperationFailed
 from ckptctl.pipeline.host_memory import _cuda_pinning as cuda
 from ckptctl.pipeline.host_memory import _file_reads as reads
-from ckptctl.pipeline.host_memory._bucket_metas import MetaMaker, gc_paused, planned_buffers
 from ckptctl.pipeline.host_memory._pinned_pool import PinnedPool, as_tensor, writable_view
 
 if TYPE_CHECKING:
     import torch
 
 
-class ShareReader:
-    """Reads a share in the background, then pins it there too: neither waits for the
-    ParameterServer, so both overlap its start-up. `progress` (a ReadProgress) says how far the
-    reading has got; `result` waits for everything and hands the buffers over.
+class MetaMaker:
+    """checkpoint-engine ParameterMetas for a bucket's tensors, `==` to validated ones, with one
+    torch dtype and one torch.Size object per distinct dtype and shape: equal shapes pickle as
+    one memo reference in every bucket checkpoint-engine sends to the server."""
 
-    Without a pool it needs no torch until the bytes are in and pinned: the buckets are
-    anonymous memory, pinned through the CUDA driver (DriverPin) and wrapped as tensors (zero
-    copy) afterwards, so reading and pinning run while the interpreter still imports torch.
-    """
+    def __init__(self) -> None:
+        from ckptctl.checkpoint.loader import torch_layout
+        from ckptctl.pipeline.engine import engine_module
+
+        self._cls = engine_module("data_types").ParameterMeta
+        self._layout = torch_layout
+        self._known: dict[tuple[str, tuple[int, ...]], tuple[Any, Any]] = {}
+        self._fields = frozenset(("name", "dtype", "shape", "aligned_size"))
+
+    def __call__(self, bucket: reads.HostBucket) -> list[Any]:
+        import torch
+
+        new, set_slot = object.__new__, object.__setattr__
+        cls, known, fields, align = self._cls, self._known, self._fields, reads.ALIGN
+        out: list[Any] = []
+        append = out.append
+        for t, _ in bucket.placed:
+            layout = known.get((t.dtype, t.shape))
+            if layout is None:
+                dtype, shape = self._layout(t)
+                layout = known[(t.dtype, t.shape)] = (dtype, torch.Size(shape))
+            meta = new(cls)
+            size = (t.end - t.start + align - 1) // align * align
+            state = {"name": t.name, "dtype": layout[0], "shape": layout[1], "aligned_size": size}
+            set_slot(meta, "__dict__", state)
+            set_slot(meta, "__pydantic_fields_set__", fields)
+            set_slot(meta, "__pydantic_extra__", None)
+            set_slot(meta, "__pydantic_private__", None)
+            append(meta)
+        return out
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection while 90k objects are made (none of them cyclic garbage): with
+    torch imported, each collection walks its heap and doubles the time these loops take."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def planned_buffers(plan: Any) -> dict[int, list[tuple[int, list[Any]]]]:
+    """Every rank's host buffers as its ShareReader lays them out - (size, metas) per bucket -
+    from the plan that every rank shares (ParameterServerSession.gather_planned)."""
+    make, ranks = MetaMaker(), [r for r in plan.ranks if r.tensors]
+    with gc_paused():
+        return {r.rank: [(b.size, make(b)) for b in reads.layout(r.tensors)] for r in ranks}
+
+
+class ShareReader:
+    """Reads a share, then pins it, in the background (overlapping the ParameterServer's
+    start); `progress` says how far the reading has got, `result` waits and hands the buffers
+    over. Without a pool no torch is needed until the bytes are in and pinned (DriverPin): the
+    buckets are anonymous memory, wrapped as tensors (zero copy) afterwards."""
 
     def __init__(
         self,
@@ -50,15 +102,11 @@ class ShareReader:
         on_read: Callable[[int], None] | None = None,
         drop_page_cache: bool = False,
     ) -> None:
-        """pin: pin the buffers in place once read (needs CUDA; False for a CPU-only read).
-        plan, rank: the job's plan and this rank's place in it: then every rank's metas are
-        also worked out in the background, for `ParameterServerSession.gather_planned`.
-        on_read(n): called with the bytes of every read, from the reading threads (progress).
-        drop_page_cache: drop what was read from the page cache afterwards."""
+        """pin: once read (needs CUDA). plan, rank: the job's plan and this rank's place in it;
+        then every rank's metas are worked out too (`gather_planned`). on_read(n): with every
+        read's bytes (ReadProgress). drop_page_cache: of what was read, once it is in."""
         self.buckets = reads.layout(tensors)
-        self._drop_page_cache = drop_page_cache
-        self._pool = pool
-        self._pin = pin
+        self._pool, self._pin, self._drop_page_cache = pool, pin, drop_page_cache
         self.threads = reads.read_threads(threads)
         self.progress = reads.ReadProgress(self.buckets, on_read)
         self._buffers: list[torch.Tensor] = []
@@ -86,8 +134,7 @@ class ShareReader:
         self._driver_pinned: list[int] = []
         self._gpu_rank = int(os.environ.get("RANK", "0"))  # (checkpoint-engine's GPU rule)
         self.pinned_before_torch = False  # ... and before `import torch` had finished
-        # A daemon thread (not an executor's): a rank that fails meanwhile exits without
-        # waiting for the read.
+        # (a daemon thread: a rank that fails meanwhile exits without waiting for the read)
         self._thread = threading.Thread(
             target=self._run, args=(checkpoint,), name="ckptctl-read", daemon=True
         )
@@ -170,7 +217,8 @@ class ShareReader:
             return
         self._driver = driver
         for i in todo:
-            if not driver.pin(reads.address_of(self._memory[i]), self.buckets[i].size):
+            address = ctypes.addressof(ctypes.c_char.from_buffer(self._memory[i]))
+            if not driver.pin(address, self.buckets[i].size):
                 break  # (e.g. out of lockable memory: the runtime's error says it below)
             self._pinned[i] = True
             self._driver_pinned.append(i)
@@ -217,10 +265,3 @@ class ShareReader:
                 self._pool.release(buffer, pinned)
             elif pinned:
                 cuda.unpin(buffer)
-
-
-def read_share(
-    checkpoint: Checkpoint, tensors: list[TensorInfo], *, pin: bool, threads: int | None = None
-) -> list[Any]:
-    """The share as checkpoint-engine MemoryBuffers: read, then (on a GPU) pinned in place."""
-    return ShareReader(checkpoint, tensors, threads, pin=pin).result()

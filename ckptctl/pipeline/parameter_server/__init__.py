@@ -6,16 +6,7 @@ ended without ending the process, and checkpoint files never handed over for del
     session.register(name, named_tensors); session.gather(name); session.update(name, req, None)
 """
 
-from ckptctl.pipeline.parameter_server._failed_update import drop_frames
 from ckptctl.pipeline.parameter_server._p2p import p2p_missing
 from ckptctl.pipeline.parameter_server._session import ParameterServerSession, buffer_views
-from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket, rescue
 
-__all__ = [
-    "ParameterServerSession",
-    "ReplyWatchingSocket",
-    "buffer_views",
-    "drop_frames",
-    "p2p_missing",
-    "rescue",
-]
+__all__ = ["ParameterServerSession", "buffer_views", "p2p_missing"]

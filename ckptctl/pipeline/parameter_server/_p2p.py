@@ -1,9 +1,6 @@
-"""mooncake, checkpoint-engine's p2p transport: kept out where it is not wanted, checked where
-it is, and a failed read turned into the end of the transfer instead of a hang.
-
-Broadcast never touches mooncake: an installed mooncake without RDMA makes the
-ParameterServer's constructor raise for every method, so for broadcast the import is blocked.
-"""
+"""mooncake, checkpoint-engine's p2p transport: blocked for broadcast (installed without RDMA,
+it makes the ParameterServer's constructor raise for every method), checked where p2p is
+asked for, and a failed read turned into the end of the transfer instead of a hang."""
 
 from __future__ import annotations
 
@@ -26,14 +23,9 @@ def block_mooncake() -> None:
 
 
 def prefer_system_unwinder() -> None:
-    """Put the system's libgcc_s in the global symbol scope before mooncake loads.
-
-    mooncake-transfer-engine's wheel (0.3.9) bundles libunwind, which exports
-    `_Unwind_RaiseException` as libgcc_s does. In a process that loaded torch and zmq first, a
-    C++ exception thrown inside mooncake - a refused connection to a holder that is gone - is
-    then unwound half by one library and half by the other, and the process aborts instead of
-    mooncake returning its error. With libgcc_s global, every library unwinds with it.
-    """
+    """Put the system's libgcc_s in the global symbol scope before mooncake loads: its wheel
+    bundles libunwind, and a C++ exception inside mooncake (a refused connection to a holder
+    that is gone) unwound half by each would abort the process instead of returning an error."""
     import ctypes
 
     with contextlib.suppress(OSError):  # no such library (not glibc): nothing to prefer
@@ -59,13 +51,8 @@ def p2p_missing() -> str | None:
 
 def watch_p2p_reads(store: Any, on_failed_read: Callable[[str], None]) -> None:
     """Make a failed p2p read of checkpoint-engine's `P2PStore` call `on_failed_read` (with one
-    line that names the holder) before it raises.
-
-    checkpoint-engine asserts that mooncake's `batch_transfer_sync_read` returned 0, inside its
-    bucket loop; its `finally` then joins the request thread, whose server's worker waits for
-    the next bucket with no timeout: a holder that is gone would hang the joiner (and wedge the
-    server) until --timeout. `on_failed_read` ends the transfer instead.
-    """
+    line that names the holder) before it raises: checkpoint-engine would then join the request
+    thread, whose server's worker waits for the next bucket with no timeout (a hang)."""
     read = store.batch_transfer_sync_read
 
     def checked_read(target: str, buf_ptrs: Any, remote_ptrs: Any, lens: Any) -> Any:

@@ -1,14 +1,12 @@
-"""One rank's checkpoint-engine ParameterServer, and what ckptctl needs around it.
-
-Checkpoint files are never handed over as `files=`: checkpoint-engine pins /dev/shm files in
-place and DELETES them. We hand over read-only views of the file mapping, or buffers we read
-and pinned ourselves - unless the user asks for exactly that with --consume-shm-files. The
-process group is built by us and kept, and every reach into checkpoint-engine's private state
-goes through ce_internals. This module imports torch and checkpoint-engine when used.
+"""One rank's checkpoint-engine ParameterServer, and what ckptctl needs around it. It never
+gets checkpoint files as `files=` (/dev/shm files would be DELETED) unless --consume-shm-files
+asks for exactly that. torch and checkpoint-engine are imported when a session starts.
 """
 
 from __future__ import annotations
 
+import gc
+import math
 import os
 import traceback
 from collections.abc import Callable
@@ -17,20 +15,8 @@ from typing import Any
 from ckptctl.errors import PARTIAL_WEIGHTS_NOTE, ExitCode, InvalidInput, OperationFailed
 from ckptctl.pipeline import ce_internals
 from ckptctl.pipeline.coordination import PAST_DEADLINE_S
-from ckptctl.pipeline.parameter_server._failed_update import (
-    drop_frames,
-    last_line,
-    release_transfer_memory,
-)
-from ckptctl.pipeline.parameter_server._p2p import (
-    block_mooncake,
-    prefer_system_unwinder,
-    watch_p2p_reads,
-)
-from ckptctl.pipeline.parameter_server._transfer_sockets import (
-    ReplyWatchingSocket,
-    TransferSockets,
-)
+from ckptctl.pipeline.parameter_server import _p2p
+from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket, TransferSockets
 
 
 def _hint(exc: Exception, p2p: str) -> str:
@@ -52,11 +38,7 @@ def all_gather_json(doc: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # (the current device)
     data = json.dumps(doc).encode()
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world)]
@@ -82,41 +64,35 @@ class ParameterServerSession(TransferSockets):
         on_failure: Callable[[int, str], None] | None = None,
         group_timeout_s: float | None = None,
     ) -> None:
-        """p2p: "off" (mooncake is never imported), "optional" (use it if it starts: joinable
-        metas), or "required" (p2p/all updates, join). group_store: the job's store, where
-        the ranks meet to build the NCCL group (None for a job of one process). on_failure:
-        where a failure that checkpoint-engine would sit on goes (the watchdog's `fail`).
-        group_timeout_s: the NCCL group's collective timeout (process_group.group_timeout_s)."""
-        ce_internals.check_version()  # before anything else: one line, not a traceback later
+        """p2p: "off" (mooncake never imported), "optional" (used if it starts: joinable metas)
+        or "required" (p2p/all updates, join). group_store: the job's store, where the NCCL
+        group is built (None for one process). on_failure: where a failure checkpoint-engine
+        would sit on goes (the watchdog's `fail`). group_timeout_s: the group's timeout."""
+        ce_internals.check_version()  # first: one line, not a traceback later
         if p2p == "off":
-            block_mooncake()
+            _p2p.block_mooncake()
         else:
-            prefer_system_unwinder()
+            _p2p.prefer_system_unwinder()
         import torch
 
         if not torch.cuda.is_available():
-            # (Every GPU command comes here - update, save-metas, join, serve: only `update`
-            # has a --dry-run, so the hint names the command.)
+            # (every GPU command comes here; only `update` has a --dry-run)
             raise OperationFailed(
                 "no CUDA device: every rank needs one GPU (check CUDA_VISIBLE_DEVICES); "
                 "`ckptctl update --dry-run` plans a split without one"
             )
-        from ckptctl.pipeline.process_group import (
-            MIN_TIMEOUT_S,
-            BackgroundProcessGroup,
-            local_device_index,
-        )
+        from ckptctl.pipeline import process_group as pg
+        from ckptctl.pipeline.engine import engine_module
 
-        # First, so that it overlaps everything up to the first gather (process_group.py).
+        # First, so that it overlaps everything up to the first gather.
         rank = int(os.environ["RANK"])
-        self._group = BackgroundProcessGroup(
+        self._group = pg.BackgroundProcessGroup(
             rank=rank,
             world_size=int(os.environ["WORLD_SIZE"]),
             store=group_store,
-            device_index=local_device_index(rank),
-            timeout_s=group_timeout_s or MIN_TIMEOUT_S,
+            device_index=pg.local_device_index(rank),
+            timeout_s=group_timeout_s or pg.MIN_TIMEOUT_S,
         )
-        from ckptctl.pipeline.engine import engine_module
 
         ParameterServer = engine_module("ps").ParameterServer  # noqa: N806 - a class
 
@@ -132,7 +108,7 @@ class ParameterServerSession(TransferSockets):
                     f"checkpoint-engine's parameter server did not start: {exc}" + _hint(exc, p2p)
                 ) from exc
             self.p2p_error = str(exc)
-            block_mooncake()
+            _p2p.block_mooncake()
             self.ps = ParameterServer(auto_pg=False)
         if p2p == "required" and not self.p2p_enabled:
             raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
@@ -143,7 +119,7 @@ class ParameterServerSession(TransferSockets):
         self._wrap_socket_factory()
         self._on_failure = on_failure
         if self.p2p_enabled:
-            watch_p2p_reads(ce_internals.p2p_store(self.ps), self._p2p_read_failed)
+            _p2p.watch_p2p_reads(ce_internals.p2p_store(self.ps), self._p2p_read_failed)
 
     def _bucket_loaded(self, nbytes: int) -> None:
         if self.on_bucket_loaded is not None:
@@ -188,8 +164,7 @@ class ParameterServerSession(TransferSockets):
 
     def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
         """(tensor name, its bytes) for every tensor this rank registered as `name`: views of
-        the pinned buffers the update sends from, whichever way they were registered. (A rank
-        whose share is empty registered nothing.)"""
+        the pinned buffers the update sends from, whichever way they were registered."""
         return buffer_views(ce_internals.registered_buffers(self.ps, name))
 
     def gather(self, name: str) -> None:
@@ -197,11 +172,9 @@ class ParameterServerSession(TransferSockets):
         self.ps.gather_metas(name)
 
     def gather_planned(self, name: str, planned: dict[int, list[tuple[int, list[Any]]]]) -> None:
-        """checkpoint-engine's gather_metas, without pickling every rank's metas through
-        all_gather_object: every rank worked out every rank's buffers from the plan they share
-        (host_memory.planned_buffers), so only what the plan cannot know travels - each
-        buffer's address, the host, GPU and p2p store - as JSON. The sizes and tensor counts
-        travel too, and must match what was planned."""
+        """gather_metas without pickling every rank's metas: each rank worked them out from the
+        shared plan (host_memory.planned_buffers), so only what the plan cannot know (addresses,
+        host, GPU, p2p store) travels, as JSON, with the sizes and counts it must match."""
         self.ensure_group()
         facts = all_gather_json(ce_internals.own_facts(self.ps, name))
         ce_internals.apply_gathered(self.ps, facts, planned)
@@ -219,14 +192,11 @@ class ParameterServerSession(TransferSockets):
     def update(
         self, name: str, req_func: Callable[[list[tuple[str, str]]], None], ranks: list[int] | None
     ) -> None:
-        # Only this update's sockets count: a long-lived job's earlier (failed) pushes left
-        # their errors on theirs.
-        self.sockets = []
+        self.sockets = []  # (a long-lived job's earlier pushes left their errors on theirs)
         self.ensure_group()
-        # The group is kept after a failure too. A push refused before the workers connected
-        # (`rescue`) goes through the same collectives on every rank, so it stays in step; one
-        # rank dropping it alone would leave the others waiting on the old one at the next
-        # push. A failure that breaks it ends the job (as `update` would) at the next wait.
+        # The group is kept after a failure too: a push refused before the workers connected
+        # (`rescue`) goes through the same collectives on every rank, so it stays in step; a
+        # failure that breaks it ends the job at the next wait.
         failure: OperationFailed | None = None
         try:
             self.ps.update(name, req_func, ranks=ranks)
@@ -295,8 +265,6 @@ class ParameterServerSession(TransferSockets):
 def buffer_views(buffers: list[Any]) -> list[tuple[str, memoryview]]:
     """(name, bytes) of every tensor in checkpoint-engine `MemoryBuffer`s: each buffer holds its
     metas' tensors back to back, each at an offset rounded up to `aligned_size`."""
-    import math
-
     out: list[tuple[str, memoryview]] = []
     for buf in buffers:
         flat = memoryview(buf.buffer.numpy()).cast("B")
@@ -306,3 +274,37 @@ def buffer_views(buffers: list[Any]) -> list[tuple[str, memoryview]]:
             out.append((meta.name, flat[offset : offset + nbytes]))
             offset += meta.aligned_size
     return out
+
+
+def last_line(traceback_text: str) -> str:
+    lines = [line.strip() for line in traceback_text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no message)"
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Let go of the frames a failed update's exception holds: checkpoint-engine's hold its GPU
+    transfer buffers, which a kept exception (a `__cause__`, a serve loop's variable) would keep
+    alive. The caller keeps a text copy of the traceback for CKPTCTL_DEBUG instead."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]
+
+
+def release_transfer_memory() -> None:
+    """Hand a failed update's GPU memory back to the device (for the inference server) once
+    `drop_frames` let go of it: checkpoint-engine empties torch's cache while it is held."""
+    import torch
+
+    gc.collect()  # an exception and its frames can hold each other in a cycle
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()

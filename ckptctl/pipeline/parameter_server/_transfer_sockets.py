@@ -1,11 +1,7 @@
-"""The zmq REQ socket checkpoint-engine talks to the server's worker through, watched.
-
-The ParameterServer's socket is wrapped (`ReplyWatchingSocket`) so that every reply is seen -
-checkpoint-engine throws away the reply to the LAST bucket, so an error while the server loads
-it would pass as success - and so that sends and receives are bounded (a REQ socket with no
-peer blocks forever). A failed push ends the transfer with `rescue` before a worker took the
-IPC handle, and with `cancel` after.
-"""
+"""The zmq REQ socket checkpoint-engine talks to the server's worker through, watched: every
+reply seen (it throws away the reply to the LAST bucket, so an error there would pass as
+success), every wait bounded (a REQ socket with no peer blocks forever), and a failed push
+ended - by `rescue` before a worker took the IPC handle, by `cancel` after."""
 
 from __future__ import annotations
 
@@ -36,21 +32,15 @@ class ReplyWatchingSocket:
 
         self._socket = socket
         self.errors: list[str] = []
-        # Progress: called with a bucket's bytes once the worker's reply says it has loaded it.
-        self.on_bucket = on_bucket
-        self._bucket_in_flight = 0
-        self._nones_sent = 0
+        self.on_bucket = on_bucket  # called with a bucket's bytes once the worker loaded it
+        self._bucket_in_flight = self._nones_sent = self._replies = 0
         self.handle: Any = None  # the first message: the CUDA IPC handle of the PS's buffer
-        self._replies = 0
-        # The PS ends every transfer with None, None; the reply to the second means the
-        # server's worker has loaded everything and run its post-hook.
+        # The reply to the second of the None, None that end a transfer: all loaded.
         self.finished = threading.Event()
-        # Set once the first message (the IPC handle) has left: a peer (the server's worker)
-        # has connected. Until then a stand-in peer can end the transfer (see `rescue`).
+        # The handle has left: a peer has connected (until then `rescue` can end the transfer).
         self.handle_sent = threading.Event()
         self.rescued = False  # the handle went to our stand-in peer (`rescue`), not a worker
-        # Set (from any thread) by `cancel`: the transfer must end although a worker took part.
-        self.cancelled: str | None = None
+        self.cancelled: str | None = None  # set by `cancel` (from any thread)
         # Once a reply was made up or a send dropped, the real socket is out of step with the
         # PS: every later exchange is made up too.
         self._detached = False
@@ -75,13 +65,11 @@ class ReplyWatchingSocket:
             self._bucket_in_flight = bucket_bytes(obj)
         if not self._wait_for(_POLLOUT):
             # Cancelled, and the worker did not answer in time. A relaxed REQ socket can still
-            # send while it has a peer: a worker that is only slow is there; one whose
-            # process died is not.
+            # send while it has a peer: a slow worker is there, a dead one is not.
             self._peer_gone = not self._socket.poll(0, zmq.POLLOUT)
             if isinstance(obj, Exception) and not self._peer_gone:
-                # checkpoint-engine's "give up": the worker takes it once its bucket is loaded
-                # and raises, instead of waiting forever for a bucket that never comes (and
-                # its server's update with it).
+                # checkpoint-engine's "give up": the worker raises it once its bucket is loaded,
+                # instead of waiting forever for a bucket that never comes.
                 with contextlib.suppress(zmq.ZMQError):
                     self._socket.send_pyobj(obj, zmq.NOBLOCK)
             return None  # dropped
@@ -94,7 +82,7 @@ class ReplyWatchingSocket:
             # Cancelled: a made-up error reply, which sends checkpoint-engine down its own
             # error path (the all-reduce of return codes, then its exception) on every rank.
             self._bucket_in_flight = 0
-            return self._cancel_reply()
+            return f"ckptctl: {self.cancelled}".encode()
         reply = self._socket.recv(*args, **kwargs)
         self._replies += 1
         if self._bucket_in_flight and reply == b"" and self.on_bucket is not None:
@@ -111,29 +99,21 @@ class ReplyWatchingSocket:
         if reply == b"" and self.cancelled is not None:
             # A worker that answers, after a cancel: the same made-up error, so that every rank
             # leaves at this bucket and the worker is told to give up (not sent the next one).
-            return self._cancel_reply()
+            return f"ckptctl: {self.cancelled}".encode()
         return reply
 
     def cancel(self, message: str) -> None:
-        """End this transfer although a worker took the handle (its server died, hangs, or the
-        push was stopped). Only a flag: the PS's thread, blocked in `recv` or `send_pyobj`,
-        acts on it within POLL_MS. From then on every reply the PS reads is a made-up error:
-        a worker that answers its bucket (within CANCEL_GRACE_MS) is then told to give up
-        (checkpoint-engine's own message, which it raises); one that is gone gets nothing
-        more (see `settle`)."""
+        """End this transfer although a worker took the handle (its server died or hangs, or
+        the push was stopped): a flag the PS's blocked thread acts on within POLL_MS. Every
+        reply it reads is then a made-up error; a worker that answers its bucket within
+        CANCEL_GRACE_MS is told to give up, one that is gone gets nothing more (`settle`)."""
         if self.cancelled is None:
             self.cancelled = message
 
-    def _cancel_reply(self) -> bytes:
-        """The error reply every exchange after a cancel gets, whatever the worker answered."""
-        return f"ckptctl: {self.cancelled}".encode()
-
     def settle(self) -> None:
         """Once the transfer is over: give back the IPC reference of a worker that took the
-        handle and died during a cancelled transfer. A consumer releases its reference when it
-        lets go of the buffer; one that died never does, and torch would keep the PS's transfer
-        buffer (twice the bucket size) until the job ends. A worker that is only slow keeps
-        it, and releases it itself."""
+        handle and died during a cancelled transfer (it never will, and torch would keep the
+        PS's transfer buffer until the job ends). A slow worker releases its own."""
         if self._detached and self._peer_gone and self.handle_sent.is_set() and not self.rescued:
             self._release_handle()
 
@@ -170,11 +150,10 @@ class ReplyWatchingSocket:
 
     def abort(self, message: str, timeout_s: float = 10.0) -> bool:
         """Tell the server's worker to give up this transfer, as checkpoint-engine does when a
-        worker failed: take the reply the worker owes us, then send it an exception, which it
-        raises. Its server then answers the update with an error and stays usable, instead of
-        waiting forever for a bucket that will never come. Only while a message of ours is
-        waiting for its reply - at every point of checkpoint-engine's bucket loop where it reads
-        over p2p. False if the worker did not take part (or not in time)."""
+        worker failed: take the reply it owes us, then send it an exception, which it raises;
+        its server answers the update with an error and stays usable. Only while a message of
+        ours waits for its reply (wherever the bucket loop reads over p2p). False if the
+        worker did not take part (or not in time)."""
         import zmq
 
         if not self.handle_sent.is_set():
@@ -205,15 +184,9 @@ def bucket_bytes(metas: list[Any]) -> int:
 
 
 def release_ipc_reference(handle: Any) -> bool:
-    """Give back the reference a consumer of a CUDA IPC handle would have released.
-
-    `handle` is what torch's `reduce_tensor` made of a CUDA tensor: `(rebuild_cuda_tensor,
-    args)`. Sharing counts a reference in a file that the consumer decrements when it lets go;
-    a buffer freed while the count is up stays allocated until the process ends. Our stand-in
-    peer (`rescue`) takes the handle and never opens it, so it releases the count the way
-    torch's own consumer does when it already holds the storage. False if `handle` is not
-    such a tuple (nothing done).
-    """
+    """Give back the reference a consumer of a CUDA IPC `handle` (torch's `reduce_tensor`
+    tuple) would have released - our stand-in (`rescue`) never opens it, and a buffer freed
+    while counted stays allocated until the process ends. False for no such tuple."""
     try:
         rebuild, args = handle
     except (TypeError, ValueError):
@@ -229,14 +202,9 @@ RESCUE_PREFIX = "ckptctl: the push failed"
 
 
 def rescue(endpoint: str, message: str, timeout_s: float = 30.0) -> threading.Thread:
-    """End a transfer whose server never connected, without ending the process.
-
-    checkpoint-engine's REQ socket blocks until a peer connects. When the server refused (and
-    so never will), a REP socket of ours connects in its place, takes the IPC handle (as raw
-    bytes: never unpickled), answers with an error, and takes the abort message that follows:
-    checkpoint-engine then fails the update on every rank through its own error path, and the
-    ParameterServer stays usable for the next push.
-    """
+    """End a transfer whose server never connected (its REQ socket blocks until one does): a
+    REP socket of ours takes the IPC handle (raw bytes, never unpickled), answers with an error
+    and takes the abort; checkpoint-engine fails the update its own way, and stays usable."""
     import zmq
 
     def run() -> None:
