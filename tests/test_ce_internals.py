@@ -49,17 +49,9 @@ def test_update_refuses_a_version_it_was_not_written_for_in_one_line(
     tmp_path: Path, version: str
 ) -> None:
     fake = _fake_distribution(tmp_path / "site", version)
-    r = run_script(
-        "update",
-        "--checkpoint-path",
-        str(TINY),
-        "--inference-parallel-size",
-        "1",
-        "--timeout",
-        "120",  # (a bound, not a wait: the refusal comes at the parameter server's start)
-        env=_env_with(fake),
-        timeout=180,
-    )
+    args = ["update", "--checkpoint-path", str(TINY), "--inference-parallel-size", "1"]
+    # (--timeout is a bound, not a wait: the refusal comes as the parameter server starts)
+    r = run_script(*args, "--timeout", "120", env=_env_with(fake), timeout=180)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
     assert r.returncode == 1, r.stderr
     assert errors == [

@@ -84,10 +84,9 @@ def device_uuid(ps: Any) -> str:
 
 
 def start_socket_counter(ps: Any) -> None:
-    """Start the count in the names of the ParameterServer's zmq sockets at random: they live
-    in the host's shared abstract namespace and count from 0 in every process, so two jobs on
-    one GPU would bind the same name (EADDRINUSE), and anyone could guess it. The ranks still
-    agree: every update all-reduces the largest count before naming anything."""
+    """Start the count in the ParameterServer's zmq socket names at random: in the host's shared
+    namespace, counted from 0 in every process, two jobs on one GPU would bind the same name
+    (EADDRINUSE). The ranks still agree: every update all-reduces the largest count first."""
     import secrets
 
     _require(ps, "_zmq_addr_counter")

@@ -95,10 +95,8 @@ def read_runs(buckets: list[HostBucket]) -> list[ReadRun]:
             if n > READ_CHUNK:
                 for done in range(0, n, READ_CHUNK):
                     piece = min(READ_CHUNK, n - done)
-                    last = int(done + piece == n)
-                    runs.append(
-                        ReadRun(b, t.file, t.start + done, [(offset + done, piece)], piece, last)
-                    )
+                    at, last = t.start + done, int(done + piece == n)
+                    runs.append(ReadRun(b, t.file, at, [(offset + done, piece)], piece, last))
                 run = None
                 continue
             if (

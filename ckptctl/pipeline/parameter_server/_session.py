@@ -228,15 +228,13 @@ class ParameterServerSession(TransferSockets):
         """One line for what went wrong in checkpoint-engine's update, the worker's words first."""
         import zmq
 
-        errors = self._worker_errors()
-        cancelled = self.cancelled()
+        errors, cancelled = self._worker_errors(), self.cancelled()
         if cancelled is not None and not errors:
             return OperationFailed(f"{cancelled} ({PARTIAL_WEIGHTS_NOTE})")
         if errors or exc is None:
             return OperationFailed(
                 f"the server's worker on {self.device_uuid} failed while loading the weights "
-                f"({PARTIAL_WEIGHTS_NOTE}): "
-                f"{last_line(errors[-1]) if errors else exc}"
+                f"({PARTIAL_WEIGHTS_NOTE}): {last_line(errors[-1]) if errors else exc}"
             )
         # Another rank's worker failed, or ours stopped answering: once a worker had the
         # handle, the server may hold some of the new weights all the same.

@@ -82,7 +82,7 @@ class ReplyWatchingSocket:
             # Cancelled: a made-up error reply, which sends checkpoint-engine down its own
             # error path (the all-reduce of return codes, then its exception) on every rank.
             self._bucket_in_flight = 0
-            return f"ckptctl: {self.cancelled}".encode()
+            return self._cancel_reply()
         reply = self._socket.recv(*args, **kwargs)
         self._replies += 1
         if self._bucket_in_flight and reply == b"" and self.on_bucket is not None:
@@ -99,7 +99,7 @@ class ReplyWatchingSocket:
         if reply == b"" and self.cancelled is not None:
             # A worker that answers, after a cancel: the same made-up error, so that every rank
             # leaves at this bucket and the worker is told to give up (not sent the next one).
-            return f"ckptctl: {self.cancelled}".encode()
+            return self._cancel_reply()
         return reply
 
     def cancel(self, message: str) -> None:
@@ -109,6 +109,10 @@ class ReplyWatchingSocket:
         CANCEL_GRACE_MS is told to give up, one that is gone gets nothing more (`settle`)."""
         if self.cancelled is None:
             self.cancelled = message
+
+    def _cancel_reply(self) -> bytes:
+        """The error reply every exchange after a cancel gets, whatever the worker answered."""
+        return f"ckptctl: {self.cancelled}".encode()
 
     def settle(self) -> None:
         """Once the transfer is over: give back the IPC reference of a worker that took the
