@@ -55,16 +55,17 @@ def rank_main(path: str, mode: str, rank: int) -> None:
     os.environ["RANK"] = str(rank)
     reader = None
     if mode != "none":
-        from ckptctl.pipeline import pinning
+        from ckptctl.pipeline import host_memory
+        from ckptctl.pipeline.host_memory import _cuda_pinning, _file_reads
         from ckptctl.pipeline.stages import read_and_plan
 
         if mode == "read":
-            pinning._Populate.__call__ = lambda self, run: None  # type: ignore[method-assign]
+            _file_reads._Populate.__call__ = lambda self, run: None  # type: ignore[method-assign]
         if mode in ("pin-driver-pop", "pin-after"):  # the population call ahead of the pin
-            fill = pinning.fill
-            pinning.fill = lambda *a, **k: fill(*a, **{**k, "fresh": True})  # type: ignore[assignment]
+            fill = _file_reads.fill
+            _file_reads.fill = lambda *a, **k: fill(*a, **{**k, "fresh": True})  # type: ignore[assignment]
         if mode.endswith("-huge"):
-            anonymous = pinning.anonymous_memory
+            anonymous = _file_reads.anonymous_memory
 
             def huge(size: int) -> Any:
                 memory = anonymous(size)
@@ -72,12 +73,12 @@ def rank_main(path: str, mode: str, rank: int) -> None:
                     memory.madvise(mmap.MADV_HUGEPAGE)
                 return memory
 
-            pinning.anonymous_memory = huge  # type: ignore[assignment]
+            _file_reads.anonymous_memory = huge  # type: ignore[assignment]
         if mode == "pin-after":
-            pinning.DriverPin.for_rank = classmethod(lambda cls, rank: None)  # type: ignore[assignment]
+            _cuda_pinning.DriverPin.for_rank = classmethod(lambda cls, rank: None)  # type: ignore[assignment]
         checkpoint, plan = read_and_plan(path, 2, "tensors")  # as stages.EarlyShare plans
         share = plan.ranks[rank]
-        reader = pinning.ShareReader(
+        reader = host_memory.ShareReader(
             checkpoint, list(share.tensors), pin=mode.startswith("pin"), rank=rank
         )
     import torch

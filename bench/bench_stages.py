@@ -94,7 +94,8 @@ def limit_read(files: list[Path], threads: int, fresh: bool) -> float:
 
 
 def ours_read(checkpoint: Any, share: Any, threads: int | None) -> dict[str, Any]:
-    from ckptctl.pipeline.pinning import ShareReader, layout, read_runs
+    from ckptctl.pipeline.host_memory import ShareReader
+    from ckptctl.pipeline.host_memory._file_reads import layout, read_runs
 
     reader = ShareReader(checkpoint, share.tensors, threads, pin=False)
     reader.wait()
@@ -155,7 +156,7 @@ def engine_style_metas(plan: Any) -> dict[int, list[tuple[int, list[Any]]]]:
     checkpoint-engine's register_checkpoint and gather_metas hand around)."""
     from ckptctl.checkpoint.loader import torch_layout
     from ckptctl.pipeline.engine import engine_module
-    from ckptctl.pipeline.pinning import aligned, layout
+    from ckptctl.pipeline.host_memory._file_reads import aligned, layout
 
     meta_cls = engine_module("data_types").ParameterMeta
     out = {}
@@ -180,8 +181,8 @@ def global_metas(
 ) -> tuple[dict[int, Any], Any]:
     from collections import defaultdict
 
+    from ckptctl.pipeline.ce_internals import apply_gathered
     from ckptctl.pipeline.engine import engine_module
-    from ckptctl.pipeline.parameter_server import apply_gathered
 
     ps = object.__new__(engine_module("ps").ParameterServer)
     ps._gpu_count, ps._all_hosts, ps._global_device_uuids = world, [], []
@@ -204,7 +205,7 @@ def global_metas(
 
 def gather_section(plan: Any, repeat: int) -> dict[str, Any]:
     from ckptctl.pipeline.engine import engine_module
-    from ckptctl.pipeline.pinning import gc_paused, planned_buffers
+    from ckptctl.pipeline.host_memory import gc_paused, planned_buffers
 
     types = engine_module("data_types")
     out: dict[str, Any] = {}
@@ -250,7 +251,7 @@ def update_section(
     import torch
 
     from ckptctl.pipeline.engine import engine_module
-    from ckptctl.pipeline.pinning import gc_paused
+    from ckptctl.pipeline.host_memory import gc_paused
 
     ps_mod = engine_module("ps")
     worker = engine_module("worker")
@@ -326,7 +327,7 @@ IMPORTS = {
 EARLY = """
 import sys
 from ckptctl.checkpoint import plan_split, read_checkpoint
-from ckptctl.pipeline.pinning import ShareReader, gc_paused
+from ckptctl.pipeline.host_memory import ShareReader, gc_paused
 def plan_and_read():
     with gc_paused():
         ck = read_checkpoint({path!r})
@@ -372,13 +373,13 @@ def split_section(path: Path, world: int, repeat: int) -> dict[str, Any]:
     import gc
 
     from ckptctl.checkpoint import plan_split, read_checkpoint
-    from ckptctl.pipeline.pinning import gc_paused
+    from ckptctl.pipeline.host_memory import gc_paused
     from ckptctl.pipeline.stages import plan_fingerprint
 
     out: dict[str, Any] = {}
     code = (
         "import time\nfrom ckptctl.checkpoint import plan_split, read_checkpoint\n"
-        "from ckptctl.pipeline.pinning import gc_paused\nt0 = time.perf_counter()\n"
+        "from ckptctl.pipeline.host_memory import gc_paused\nt0 = time.perf_counter()\n"
         f"with gc_paused():\n    plan_split(read_checkpoint({str(path)!r}), {world}, 'auto')\n"
         "print(time.perf_counter() - t0)\n"
     )
@@ -431,7 +432,7 @@ def main() -> None:
         ck.total_bytes,
         len(ck.files),
     )
-    from ckptctl.pipeline.pinning import read_threads
+    from ckptctl.pipeline.host_memory._file_reads import read_threads
 
     doc["read_threads_default"] = read_threads()
     doc["read"] = read_section(ck, plan.ranks[0], threads, args.repeat)

@@ -301,8 +301,8 @@ class CpuEngine:
 
 
 if __name__ == "__main__":
+    import ckptctl.pipeline.host_memory._cuda_pinning as pinning_module
     import ckptctl.pipeline.parameter_server as ps_module
-    import ckptctl.pipeline.pinning as pinning_module
 
     REAL_SESSION = ps_module.ParameterServerSession
     ps_module.ParameterServerSession = CpuParameterServerSession  # type: ignore[misc]

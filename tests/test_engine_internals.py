@@ -2,7 +2,7 @@
 that a release that changes it fails here rather than in an update on a GPU node:
 
 - its package imports without the HTTP API (pipeline/engine.py);
-- the fields of the models we build without validation (pinning.MetaMaker, model_construct);
+- the fields of the models we build without validation (host_memory MetaMaker, model_construct);
 - the state its gather_metas leaves in a ParameterServer, which `apply_gathered` must leave
   exactly the same way: both run side by side over a real (gloo) process group of 2 torchrun
   ranks, on the same registered buffers, and everything they set is compared.
@@ -25,8 +25,8 @@ from fake_server import torchrun_cmd
 
 from ckptctl.checkpoint import plan_split, read_checkpoint
 from ckptctl.checkpoint.loader import torch_layout
-from ckptctl.pipeline import pinning
 from ckptctl.pipeline.engine import engine_module
+from ckptctl.pipeline.host_memory import _file_reads, _share_reader
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,7 +81,7 @@ def test_the_models_have_the_fields_we_build_them_with() -> None:
         "memory_buffer_metas_list",
         "rdma_device",
     }
-    assert engine_module("pin_memory")._ALIGN_SIZE == pinning.ALIGN
+    assert engine_module("pin_memory")._ALIGN_SIZE == _file_reads.ALIGN
     ps = engine_module("ps").ParameterServer
     assert list(inspect.signature(ps.gather_metas).parameters) == ["self", "checkpoint_name"]
     assert callable(ps._bind_zmq_socket) and callable(ps._register_parameters_to_p2p_store)
@@ -98,13 +98,13 @@ def test_fast_metas_equal_validated_ones_for_every_dtype(tmp_path: Path) -> None
     torch.Size (one pickle memo entry per shape in every bucket sent to the server)."""
     tensors = mixed_tensors(seed=4) | {f"same.{i}": torch.zeros(3, 5) for i in range(4)}
     ckpt = read_checkpoint(write_real_checkpoint(tmp_path / "ck", [tensors]))
-    (bucket,) = pinning.layout(ckpt.tensors)
-    fast = pinning.MetaMaker()(bucket)
+    (bucket,) = _file_reads.layout(ckpt.tensors)
+    fast = _share_reader.MetaMaker()(bucket)
     meta_cls = engine_module("data_types").ParameterMeta
     for meta, (t, _) in zip(fast, bucket.placed, strict=True):
         dtype, shape = torch_layout(t)
         slow = meta_cls(
-            name=t.name, dtype=dtype, shape=list(shape), aligned_size=pinning.aligned(t.nbytes)
+            name=t.name, dtype=dtype, shape=list(shape), aligned_size=_file_reads.aligned(t.nbytes)
         )
         assert meta == slow and meta.model_dump() == slow.model_dump()
         assert meta.model_dump_json() == slow.model_dump_json()
@@ -120,7 +120,8 @@ from collections import defaultdict
 import torch.distributed as dist
 from ckptctl.checkpoint import plan_split, read_checkpoint
 from ckptctl.launch import launch_info
-from ckptctl.pipeline import parameter_server, pinning
+from ckptctl.pipeline import ce_internals, host_memory
+from ckptctl.pipeline.parameter_server._session import all_gather_json
 from ckptctl.pipeline.coordination import Coordinator
 from ckptctl.pipeline.engine import engine_module
 from ckptctl.pipeline.process_group import BackgroundProcessGroup
@@ -133,7 +134,7 @@ group = BackgroundProcessGroup(rank=launch.rank, world_size=launch.world_size,
 group.wait(60)
 checkpoint = read_checkpoint(ckpt)
 plan = plan_split(checkpoint, launch.world_size, split)
-reader = pinning.ShareReader(checkpoint, plan.ranks[launch.rank].tensors, pin=False, plan=plan,
+reader = host_memory.ShareReader(checkpoint, plan.ranks[launch.rank].tensors, pin=False, plan=plan,
                              rank=launch.rank)
 buffers = reader.result()
 PS = engine_module("ps").ParameterServer
@@ -167,8 +168,8 @@ theirs, ours = bare(), bare()
 rounds = []
 for _ in range(2):  # the second gather keeps the first one's hosts and GPU UUIDs
     theirs.gather_metas("ck")
-    parameter_server.apply_gathered(
-        ours, parameter_server.all_gather_json(parameter_server.own_facts(ours, "ck")),
+    ce_internals.apply_gathered(
+        ours, all_gather_json(ce_internals.own_facts(ours, "ck")),
         reader.planned,
     )
     a, b = vars(theirs), vars(ours)
@@ -233,10 +234,10 @@ def test_a_rank_whose_buffers_differ_from_its_plan_is_refused(ckpt: Path) -> Non
     from collections import defaultdict
 
     from ckptctl.errors import OperationFailed
-    from ckptctl.pipeline.parameter_server import apply_gathered
+    from ckptctl.pipeline.ce_internals import apply_gathered
 
     checkpoint = read_checkpoint(ckpt)
-    planned = pinning.planned_buffers(plan_split(checkpoint, 2, "tensors"))
+    planned = _share_reader.planned_buffers(plan_split(checkpoint, 2, "tensors"))
     ps = object.__new__(engine_module("ps").ParameterServer)
     ps._gpu_count, ps._all_hosts, ps._global_device_uuids = 1, [], []
     ps._local_rdma_devices = defaultdict(set)

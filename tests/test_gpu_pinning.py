@@ -1,4 +1,4 @@
-"""Pinning through the CUDA driver before torch is imported (pinning.DriverPin), on a GPU.
+"""Pinning through the CUDA driver before torch is imported (host_memory DriverPin), on a GPU.
 
 The buffers must come out exactly as the runtime's `cudaHostRegister(ptr, n, 0)` makes them:
 checkpoint-engine's unpinning asserts that `cudaHostGetFlags` reads 0x02, then calls
@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.gpu]
 SCRIPT = r"""
 import ctypes, json, sys
 from ckptctl.checkpoint import read_checkpoint
-from ckptctl.pipeline import pinning
-from ckptctl.pipeline.pinning import ShareReader
+from ckptctl.pipeline.host_memory import ShareReader
+from ckptctl.pipeline.host_memory._cuda_pinning import DriverPin
 
 if sys.argv[2] == "other-gpu":  # as if the driver had picked another GPU than torch gives
-    pinning.DriverPin.is_torchs_gpu = lambda self, rank: False
+    DriverPin.is_torchs_gpu = lambda self, rank: False
 checkpoint = read_checkpoint(sys.argv[1])
 reader = ShareReader(checkpoint, list(checkpoint.tensors), threads=2, pin=True)
 reader.wait()  # (result() imports torch: first let the reading thread pin, torch not imported)

@@ -233,7 +233,7 @@ def test_tp1(
         assert "planned in" in stages["split"]["detail"]
         assert stages["gather_metas"]["detail"] == "planned metas, addresses gathered"
         assert f"{threads or ''} reader threads" in stages["register"]["detail"]
-        # Pinned through the CUDA driver in the reading thread (pinning.DriverPin).
+        # Pinned through the CUDA driver in the reading thread (host_memory DriverPin).
         assert " through the driver" in stages["register"]["detail"], stages["register"]["detail"]
     if engine == "sglang":
         assert report["weight_version"] == f"v-{layout}-{split}"

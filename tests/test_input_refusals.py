@@ -28,7 +28,7 @@ from conftest import run_script
 from ckptctl.checkpoint import load_tensors, read_checkpoint
 from ckptctl.checkpoint.headers import MAX_INDEX_BYTES
 from ckptctl.errors import InvalidInput
-from ckptctl.pipeline import pinning
+from ckptctl.pipeline.host_memory import ShareReader
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 INDEX = "model.safetensors.index.json"
@@ -188,7 +188,7 @@ def test_direct_path_refuses_a_file_changed_since_planning(tmp_path: Path, chang
     ckpt = read_checkpoint(root)
     CHANGES[change](root / ckpt.files[0])
     with pytest.raises(InvalidInput, match=SAYS[change]):
-        pinning.read_share(ckpt, list(ckpt.tensors), pin=False)
+        ShareReader(ckpt, ckpt.tensors, pin=False).result()
 
 
 def test_direct_path_still_catches_a_short_read(tmp_path: Path) -> None:
@@ -197,7 +197,7 @@ def test_direct_path_still_catches_a_short_read(tmp_path: Path) -> None:
     ckpt = dataclasses.replace(read_checkpoint(root), file_ids={})  # as if checked before the cut
     _truncate(root / ckpt.files[0])
     with pytest.raises(InvalidInput, match="ends before tensor"):
-        pinning.read_share(ckpt, list(ckpt.tensors), pin=False)
+        ShareReader(ckpt, ckpt.tensors, pin=False).result()
 
 
 def test_a_shard_swapped_for_a_fifo_after_planning_is_refused(tmp_path: Path) -> None:

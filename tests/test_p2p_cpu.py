@@ -29,12 +29,12 @@ import zmq
 from p2p_rank import LOOPBACK, P2P_TCP_ENV, use_loopback
 
 from ckptctl.errors import OperationFailed
-from ckptctl.pipeline.parameter_server import (
-    ReplyWatchingSocket,
+from ckptctl.pipeline.parameter_server._p2p import (
     p2p_missing,
     prefer_system_unwinder,
     watch_p2p_reads,
 )
+from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket
 
 PROBE = Path(__file__).with_name("p2p_tcp_probe.py")
 

@@ -1,5 +1,5 @@
-"""Direct registration (pinning.py) on CPU: the layout checkpoint-engine expects and every byte
-read into place, for every dtype; pinning itself needs CUDA (GPU tests)."""
+"""Direct registration (pipeline/host_memory) on CPU: the layout checkpoint-engine expects and
+every byte read into place, for every dtype; pinning itself needs CUDA (GPU tests)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ from ckpt_factory import mixed_tensors, write_real_checkpoint
 from safetensors.torch import load_file
 
 from ckptctl.checkpoint import plan_split, read_checkpoint
-from ckptctl.pipeline import pinning
+from ckptctl.pipeline import host_memory
+from ckptctl.pipeline.host_memory import _cuda_pinning as cuda
+from ckptctl.pipeline.host_memory import _file_reads as reads
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +31,27 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+def read_share(checkpoint: Any, tensors: Any, *, pin: bool, threads: int | None = None) -> Any:
+    """A share as checkpoint-engine MemoryBuffers, read (and pinned) by a ShareReader."""
+    return host_memory.ShareReader(checkpoint, tensors, threads, pin=pin).result()
+
+
 def test_layout_is_aligned_contiguous_and_in_file_order(ckpt: Path) -> None:
     checkpoint = read_checkpoint(ckpt)
-    (bucket,) = pinning.layout(list(checkpoint.tensors))
+    (bucket,) = reads.layout(list(checkpoint.tensors))
     offsets = [off for _, off in bucket.placed]
     assert all(off % 256 == 0 for off in offsets)
     for (t, off), (_, nxt) in zip(bucket.placed, bucket.placed[1:], strict=False):
-        assert nxt == off + pinning.aligned(t.nbytes)  # what checkpoint-engine's offsets assume
-    assert bucket.size == offsets[-1] + pinning.aligned(bucket.placed[-1][0].nbytes)
+        assert nxt == off + reads.aligned(t.nbytes)  # what checkpoint-engine's offsets assume
+    assert bucket.size == offsets[-1] + reads.aligned(bucket.placed[-1][0].nbytes)
     keys = [(t.file, t.start) for t, _ in bucket.placed]
     assert keys == sorted(keys)
 
 
 def test_buckets_split_at_the_limit(monkeypatch: pytest.MonkeyPatch, ckpt: Path) -> None:
-    monkeypatch.setattr(pinning, "MIN_BUCKET", 700_000)  # ~ a 600 kB tensor + change
+    monkeypatch.setattr(reads, "MIN_BUCKET", 700_000)  # ~ a 600 kB tensor + change
     checkpoint = read_checkpoint(ckpt)
-    buckets = pinning.layout(list(checkpoint.tensors))
+    buckets = reads.layout(list(checkpoint.tensors))
     assert len(buckets) >= 3
     assert all(b.size <= 700_000 for b in buckets)
     assert sorted(t.name for b in buckets for t, _ in b.placed) == sorted(
@@ -59,7 +67,7 @@ def test_every_byte_lands_in_place_for_every_dtype(ckpt: Path, world: int) -> No
         expected |= load_file(str(ckpt / f))
     seen = set()
     for rank in plan_split(checkpoint, world, "tensors").ranks:
-        for buf in pinning.read_share(checkpoint, list(rank.tensors), pin=False, threads=4):
+        for buf in read_share(checkpoint, list(rank.tensors), pin=False, threads=4):
             assert buf.buffer.numel() == buf.size and not buf.manually_pinned
             offset = 0
             for meta in buf.metas:
@@ -76,9 +84,9 @@ def test_every_byte_lands_in_place_for_every_dtype(ckpt: Path, world: int) -> No
 def test_big_tensors_are_read_in_pieces_by_several_threads(
     monkeypatch: pytest.MonkeyPatch, ckpt: Path
 ) -> None:
-    monkeypatch.setattr(pinning, "READ_CHUNK", 4096)
+    monkeypatch.setattr(reads, "READ_CHUNK", 4096)
     checkpoint = read_checkpoint(ckpt)
-    (buf,) = pinning.read_share(checkpoint, list(checkpoint.tensors), pin=False, threads=8)
+    (buf,) = read_share(checkpoint, list(checkpoint.tensors), pin=False, threads=8)
     big = load_file(str(ckpt / checkpoint.files[0]))["big.1"]
     start = 0
     for meta in buf.metas:
@@ -100,7 +108,7 @@ def test_a_file_that_shrank_since_planning_is_invalid_input(tmp_path: Path, ckpt
     from ckptctl.errors import InvalidInput
 
     with pytest.raises(InvalidInput, match="changed since the checkpoint was planned"):
-        pinning.read_share(checkpoint, list(checkpoint.tensors), pin=False)
+        read_share(checkpoint, list(checkpoint.tensors), pin=False)
 
 
 def test_peak_rss_is_one_copy(tmp_path: Path) -> None:
@@ -113,12 +121,12 @@ def test_peak_rss_is_one_copy(tmp_path: Path) -> None:
     code = f"""
 import os, torch
 from ckptctl.checkpoint import read_checkpoint
-from ckptctl.pipeline.pinning import read_share
+from ckptctl.pipeline.host_memory import ShareReader
 def rss():
     return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
 ck = read_checkpoint({str(root)!r})
 before = rss()
-bufs = read_share(ck, list(ck.tensors), pin=False)
+bufs = ShareReader(ck, ck.tensors, pin=False).result()
 print(rss() - before)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -148,17 +156,17 @@ def _check_bytes(buffers: list, expected: dict[str, torch.Tensor]) -> None:  # t
 def test_a_pool_refills_the_same_buffers_with_the_next_checkpoint(tmp_path: Path) -> None:
     """serve --register-mode direct: the second checkpoint is read into the first one's
     buffers (no new allocation, so no new pinning), every byte its own."""
-    pool = pinning.PinnedPool()
+    pool = host_memory.PinnedPool()
     first, _ = _share_of(tmp_path / "a", seed=1)
     second, want = _share_of(tmp_path / "b", seed=2)
     a = read_checkpoint(first)
-    buffers = pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
+    buffers = host_memory.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
     ptrs = sorted(b.buffer.data_ptr() for b in buffers)
     pool.give_back(buffers)
     assert pool.pinned_bytes == sum(b.size for b in buffers)
 
     b = read_checkpoint(second)
-    again = pinning.ShareReader(b, list(b.tensors), pool=pool, pin=False)
+    again = host_memory.ShareReader(b, list(b.tensors), pool=pool, pin=False)
     refilled = again.result()
     assert sorted(x.buffer.data_ptr() for x in refilled) == ptrs  # the same memory
     _check_bytes(refilled, want)
@@ -171,11 +179,11 @@ def test_a_failed_read_gives_the_pools_memory_back(
     """A push whose file changed under it: the pinned buffer goes back to the pool for the
     next push, the new (unpinned) one is dropped rather than kept as if pinned."""
     unpinned: list[int] = []
-    monkeypatch.setattr(pinning, "unpin", lambda b: unpinned.append(b.numel()))  # no CUDA here
-    pool = pinning.PinnedPool()
+    monkeypatch.setattr(cuda, "unpin", lambda b: unpinned.append(b.numel()))  # no CUDA here
+    pool = host_memory.PinnedPool()
     first, _ = _share_of(tmp_path / "a", seed=1)
     a = read_checkpoint(first)
-    pool.give_back(pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result())
+    pool.give_back(host_memory.ShareReader(a, list(a.tensors), pool=pool, pin=False).result())
     pinned_before = pool.pinned_bytes
 
     second, _ = _share_of(tmp_path / "b", seed=2)
@@ -186,23 +194,23 @@ def test_a_failed_read_gives_the_pools_memory_back(
     for f in c.files:  # the writer is still at it: shorter than its header says
         path = c.path_of(f)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    reader = pinning.ShareReader(c, list(c.tensors), pool=pool, pin=False)
+    reader = host_memory.ShareReader(c, list(c.tensors), pool=pool, pin=False)
     with pytest.raises(Exception, match="changed since the checkpoint was planned"):
         reader.result()
     assert pool.pinned_bytes == 0  # the small pinned one was trimmed as surplus, the new dropped
     assert unpinned == [pinned_before]  # ... and the trimmed one unpinned
-    again = pinning.ShareReader(b, list(b.tensors), pool=pool, pin=False).result()
+    again = host_memory.ShareReader(b, list(b.tensors), pool=pool, pin=False).result()
     assert pool.pinned_bytes == sum(x.size for x in again) <= pinned_before
 
 
 def test_a_failed_read_keeps_a_pooled_buffer_pinned_for_the_next_push(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pinning, "unpin", lambda b: None)  # no CUDA here
-    pool = pinning.PinnedPool()
+    monkeypatch.setattr(cuda, "unpin", lambda b: None)  # no CUDA here
+    pool = host_memory.PinnedPool()
     first, _ = _share_of(tmp_path / "a", seed=1)
     a = read_checkpoint(first)
-    taken = pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
+    taken = host_memory.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
     ptrs = sorted(x.buffer.data_ptr() for x in taken)
     pool.give_back(taken)
 
@@ -212,9 +220,9 @@ def test_a_failed_read_keeps_a_pooled_buffer_pinned_for_the_next_push(
         path = b.path_of(f)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(Exception, match="changed since the checkpoint was planned"):
-        pinning.ShareReader(b, list(b.tensors), pool=pool, pin=False).result()
+        host_memory.ShareReader(b, list(b.tensors), pool=pool, pin=False).result()
     assert pool.pinned_bytes == sum(x.size for x in taken)  # back in the pool, still pinned
-    again = pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
+    again = host_memory.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
     assert sorted(x.buffer.data_ptr() for x in again) == ptrs
 
 
@@ -225,15 +233,15 @@ def test_pinning_happens_in_the_reading_thread_before_anyone_asks(
     register stage asks for it, every bucket is pinned (here: pinning recorded, no CUDA)."""
     import threading
 
-    monkeypatch.setattr(pinning, "MIN_BUCKET", 700_000)
+    monkeypatch.setattr(reads, "MIN_BUCKET", 700_000)
     pinned_by: list[tuple[str, int]] = []
     monkeypatch.setattr(
-        pinning,
+        cuda,
         "pin_in_place",
         lambda b: pinned_by.append((threading.current_thread().name, b.numel())),
     )
     checkpoint = read_checkpoint(ckpt)
-    reader = pinning.ShareReader(checkpoint, list(checkpoint.tensors), pin=True)
+    reader = host_memory.ShareReader(checkpoint, list(checkpoint.tensors), pin=True)
     assert reader.wait(60)  # done on its own, before result() is called
     assert [size for _, size in pinned_by] == [b.size for b in reader.buckets]
     assert all(name.startswith("ckptctl-read") for name, _ in pinned_by)
@@ -249,7 +257,7 @@ def test_a_failed_pin_unpins_what_was_pinned_and_says_so(
 ) -> None:
     from ckptctl.errors import OperationFailed
 
-    monkeypatch.setattr(pinning, "MIN_BUCKET", 700_000)
+    monkeypatch.setattr(reads, "MIN_BUCKET", 700_000)
     pinned: list[int] = []
     unpinned: list[int] = []
 
@@ -260,10 +268,10 @@ def test_a_failed_pin_unpins_what_was_pinned_and_says_so(
             )
         pinned.append(buffer.data_ptr())
 
-    monkeypatch.setattr(pinning, "pin_in_place", pin)
-    monkeypatch.setattr(pinning, "unpin", lambda b: unpinned.append(b.data_ptr()))
+    monkeypatch.setattr(cuda, "pin_in_place", pin)
+    monkeypatch.setattr(cuda, "unpin", lambda b: unpinned.append(b.data_ptr()))
     checkpoint = read_checkpoint(ckpt)
-    reader = pinning.ShareReader(checkpoint, list(checkpoint.tensors), pin=True)
+    reader = host_memory.ShareReader(checkpoint, list(checkpoint.tensors), pin=True)
     with pytest.raises(OperationFailed, match="cannot pin"):
         reader.result()
     assert sorted(unpinned) == sorted(pinned) and len(pinned) == 2
@@ -286,10 +294,10 @@ def test_the_reading_thread_pins_on_this_ranks_gpu(
     )
     pinned_in: list[str] = []
     monkeypatch.setattr(
-        pinning, "pin_in_place", lambda b: pinned_in.append(threading.current_thread().name)
+        cuda, "pin_in_place", lambda b: pinned_in.append(threading.current_thread().name)
     )
     checkpoint = read_checkpoint(ckpt)
-    pinning.ShareReader(checkpoint, list(checkpoint.tensors), pin=True).result()
+    host_memory.ShareReader(checkpoint, list(checkpoint.tensors), pin=True).result()
     assert [index for _, index in chosen] == [1]  # rank 3 of 2 GPUs per node: GPU 1
     assert chosen[0][0] == pinned_in[0] and pinned_in[0].startswith("ckptctl-read")
 
@@ -309,33 +317,31 @@ def _many_small(root: Path, count: int = 300) -> Path:
 
 def test_neighbours_are_read_in_one_request_skipping_the_padding(tmp_path: Path) -> None:
     checkpoint = read_checkpoint(_many_small(tmp_path / "ck"))
-    buckets = pinning.layout(checkpoint.tensors)
-    runs = pinning.read_runs(buckets)
+    buckets = reads.layout(checkpoint.tensors)
+    runs = reads.read_runs(buckets)
     assert len(runs) == 2  # one per file: 600 tensors, two preadv calls
     assert [len(r.pieces) for r in runs] == [300, 300]  # each tensor its buffer: no copy
     expected = {}
     for f in checkpoint.files:
         expected |= load_file(str(checkpoint.path_of(f)))
-    _check_bytes(pinning.read_share(checkpoint, list(checkpoint.tensors), pin=False), expected)
+    _check_bytes(read_share(checkpoint, list(checkpoint.tensors), pin=False), expected)
 
 
 @pytest.mark.parametrize(("iov_max", "chunk"), [(7, 1 << 20), (1024, 300), (3, 100)])
 def test_requests_are_bounded_by_iov_max_and_the_chunk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, iov_max: int, chunk: int
 ) -> None:
-    monkeypatch.setattr(pinning, "IOV_MAX", iov_max)
-    monkeypatch.setattr(pinning, "READ_CHUNK", chunk)
+    monkeypatch.setattr(reads, "IOV_MAX", iov_max)
+    monkeypatch.setattr(reads, "READ_CHUNK", chunk)
     checkpoint = read_checkpoint(_many_small(tmp_path / "ck", count=50))
-    runs = pinning.read_runs(pinning.layout(checkpoint.tensors))
+    runs = reads.read_runs(reads.layout(checkpoint.tensors))
     assert all(len(r.pieces) <= iov_max and r.nbytes <= chunk for r in runs)
     assert sum(r.nbytes for r in runs) == checkpoint.total_bytes
     expected = {}
     for f in checkpoint.files:
         expected |= load_file(str(checkpoint.path_of(f)))
     for threads in (1, 3):
-        buffers = pinning.read_share(
-            checkpoint, list(checkpoint.tensors), pin=False, threads=threads
-        )
+        buffers = read_share(checkpoint, list(checkpoint.tensors), pin=False, threads=threads)
         _check_bytes(buffers, expected)
 
 
@@ -346,8 +352,28 @@ def test_a_tensors_split_of_many_small_tensors_reads_runs(tmp_path: Path) -> Non
     plan = plan_split(checkpoint, 3, "tensors")
     assert plan.max_rank_bytes <= plan.lower_bound_bytes * 1.005
     for share in plan.ranks:
-        runs = pinning.read_runs(pinning.layout(share.tensors))
+        runs = reads.read_runs(reads.layout(share.tensors))
         assert len(runs) <= 2, len(runs)
+
+
+@pytest.mark.parametrize("chunk", [20, 1 << 20])
+def test_the_progress_counts_every_byte_and_tensor_once_it_is_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """ReadProgress: a tensor read in pieces (chunk 20) counts once its last piece is in, and
+    neighbours read together (a large chunk) count one each."""
+    monkeypatch.setattr(reads, "READ_CHUNK", chunk)
+    checkpoint = read_checkpoint(_many_small(tmp_path / "ck", count=30))
+    reads_seen: list[int] = []
+    reader = host_memory.ShareReader(
+        checkpoint, checkpoint.tensors, pin=False, on_read=reads_seen.append
+    )
+    progress = reader.progress
+    assert (progress.total_bytes, progress.total_tensors) == (checkpoint.total_bytes, 60)
+    reader.result()
+    assert progress.done.is_set() and sum(reads_seen) == progress.bytes_read
+    assert (progress.bytes_read, progress.tensors_read) == (checkpoint.total_bytes, 60)
+    assert (len(reads_seen) > 60) == (chunk == 20)  # pieces, or runs of many tensors
 
 
 @pytest.mark.parametrize(
@@ -365,11 +391,11 @@ def test_a_tensors_split_of_many_small_tensors_reads_runs(tmp_path: Path) -> Non
 def test_reader_threads_follow_the_cores_and_the_local_ranks(
     monkeypatch: pytest.MonkeyPatch, affinity: int, cpus: int, local: str, want: int
 ) -> None:
-    monkeypatch.setattr(pinning.os, "sched_getaffinity", lambda pid: set(range(affinity)))
-    monkeypatch.setattr(pinning.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(reads.os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    monkeypatch.setattr(reads.os, "cpu_count", lambda: cpus)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-    assert pinning.read_threads() == want
-    assert pinning.read_threads(5) == 5  # --read-threads wins
+    assert reads.read_threads() == want
+    assert reads.read_threads(5) == 5  # --read-threads wins
 
 
 def test_reading_needs_no_torch(tmp_path: Path) -> None:
@@ -379,12 +405,12 @@ def test_reading_needs_no_torch(tmp_path: Path) -> None:
     code = f"""
 import sys
 from ckptctl.checkpoint import plan_split, read_checkpoint
-from ckptctl.pipeline import pinning
+from ckptctl.pipeline.host_memory import _file_reads as reads
 ck = read_checkpoint({str(root)!r})
 share = plan_split(ck, 2, "auto").ranks[0]
-buckets = pinning.layout(share.tensors)
-memory = [pinning.anonymous_memory(b.size) for b in buckets]
-pinning.fill(ck, buckets, [memoryview(m)[: b.size] for m, b in zip(memory, buckets)], 2)
+buckets = reads.layout(share.tensors)
+memory = [reads.anonymous_memory(b.size) for b in buckets]
+reads.fill(ck, buckets, [memoryview(m)[: b.size] for m, b in zip(memory, buckets)], 2)
 assert "torch" not in sys.modules, "torch was imported"
 t, off = buckets[0].placed[0]
 with open(ck.path_of(t.file), "rb") as fh:
@@ -403,11 +429,11 @@ def test_fresh_memory_is_populated_run_by_run_and_a_kernel_without_it_is_skipped
     (MADV_POPULATE_WRITE), not a page at a time inside the copy. Where madvise refuses it, the
     read goes on without."""
     checkpoint = read_checkpoint(_many_small(tmp_path / "ck", count=200))
-    buckets = pinning.layout(checkpoint.tensors)
-    runs = pinning.read_runs(buckets)
-    memory = [pinning.anonymous_memory(b.size) for b in buckets]
+    buckets = reads.layout(checkpoint.tensors)
+    runs = reads.read_runs(buckets)
+    memory = [reads.anonymous_memory(b.size) for b in buckets]
     targets = [memoryview(m)[: b.size] for m, b in zip(memory, buckets, strict=True)]
-    populate = pinning._Populate(targets)
+    populate = reads._Populate(targets)
     calls: list[tuple[int, int, int]] = []
     real = populate._madvise
     populate._madvise = lambda start, size, advice: (
@@ -416,12 +442,12 @@ def test_fresh_memory_is_populated_run_by_run_and_a_kernel_without_it_is_skipped
     populate(runs[0])
     (start, size, advice), first, (last, n) = calls[0], runs[0].pieces[0][0], runs[0].pieces[-1]
     base = populate._bases[runs[0].bucket]
-    assert advice == pinning.MADV_POPULATE_WRITE and start % pinning.PAGE == 0
+    assert advice == reads.MADV_POPULATE_WRITE and start % reads.PAGE == 0
     assert start <= base + first and start + size == base + last + n
     populate._madvise = lambda *args: -1  # EINVAL: a kernel before 5.14
     populate(runs[1])
     assert populate._madvise is None
-    pinning.fill(checkpoint, buckets, targets, 2, fresh=True)  # and the bytes are right
+    reads.fill(checkpoint, buckets, targets, 2, fresh=True)  # and the bytes are right
     expected = {}
     for f in checkpoint.files:
         expected |= load_file(str(checkpoint.path_of(f)))
@@ -434,7 +460,7 @@ def test_the_first_import_of_torch_is_timed_once() -> None:
     """A one-process job's first `import torch` falls in its start stage, which says so
     (stages.start_parameter_server): timed where torch was not imported yet, None after."""
     code = (
-        "from ckptctl.pipeline.pinning import import_torch, torch_is_imported\n"
+        "from ckptctl.pipeline.host_memory._cuda_pinning import import_torch, torch_is_imported\n"
         "before = torch_is_imported()\n"
         "first, second = import_torch(), import_torch()\n"
         "print(before, first is not None and first > 0, second, torch_is_imported())\n"
@@ -450,10 +476,10 @@ def test_torch_being_imported_is_not_imported_yet(tmp_path: Path) -> None:
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text(
-        "from ckptctl.pipeline.pinning import torch_is_imported\nDURING = torch_is_imported()\n"
+        "from ckptctl.pipeline.host_memory._cuda_pinning import torch_is_imported\nDURING = torch_is_imported()\n"
     )
     code = (
-        "from ckptctl.pipeline.pinning import torch_is_imported\n"
+        "from ckptctl.pipeline.host_memory._cuda_pinning import torch_is_imported\n"
         "import torch\n"
         "print(torch.DURING, torch_is_imported())\n"
     )
@@ -478,11 +504,11 @@ def test_a_failed_unpin_is_logged_and_its_buffer_kept_mapped(
     import gc
     import weakref
 
-    monkeypatch.setattr(pinning, "_unregister", lambda address: 1 if fails else 0)
-    monkeypatch.setattr(pinning, "kept_registered", [])
-    pool = pinning.PinnedPool()
+    monkeypatch.setattr(cuda, "_unregister", lambda address: 1 if fails else 0)
+    monkeypatch.setattr(cuda, "kept_registered", [])
+    pool = host_memory.PinnedPool()
     a = read_checkpoint(_share_of(tmp_path / "a", seed=1)[0])
-    buffers = pinning.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
+    buffers = host_memory.ShareReader(a, list(a.tensors), pool=pool, pin=False).result()
     pool.give_back(buffers)
     size, alive = pool.pinned_bytes, [weakref.ref(b.buffer) for b in buffers]
     del buffers
@@ -493,9 +519,9 @@ def test_a_failed_unpin_is_logged_and_its_buffer_kept_mapped(
         assert f"warning: could not unpin {size} bytes of host memory" in err
         assert "CUDA error 1" in err and "keeping them mapped" in err
         assert all(ref() is not None for ref in alive)  # still mapped
-        assert [t.numel() for t in pinning.kept_registered] == [size]
+        assert [t.numel() for t in cuda.kept_registered] == [size]
     else:
-        assert err == "" and pinning.kept_registered == []
+        assert err == "" and cuda.kept_registered == []
         assert all(ref() is None for ref in alive)  # freed
 
 
@@ -523,8 +549,8 @@ def test_memory_the_driver_would_not_unpin_stays_mapped(
     the read fails rather than pin it twice, and no bucket is unpinned twice."""
     from ckptctl.errors import OperationFailed
 
-    monkeypatch.setattr(pinning, "MIN_BUCKET", 700_000)
-    monkeypatch.setattr(pinning, "kept_registered", [])
+    monkeypatch.setattr(reads, "MIN_BUCKET", 700_000)
+    monkeypatch.setattr(cuda, "kept_registered", [])
     lib = _Driver()
     pinned: list[int] = []
 
@@ -533,14 +559,14 @@ def test_memory_the_driver_would_not_unpin_stays_mapped(
         lib.stuck = {pinned[0]}
         return 0
 
-    driver = pinning.DriverPin(lib, register, lambda device: 0, 0, 0)
-    monkeypatch.setattr(pinning.DriverPin, "for_rank", classmethod(lambda cls, rank: driver))
-    monkeypatch.setattr(pinning, "pin_in_place", lambda b: pytest.fail("pinned again"))
-    monkeypatch.setattr(pinning, "unpin", lambda b: pytest.fail("unpinned again"))
+    driver = cuda.DriverPin(lib, register, lambda device: 0, 0, 0)
+    monkeypatch.setattr(cuda.DriverPin, "for_rank", classmethod(lambda cls, rank: driver))
+    monkeypatch.setattr(cuda, "pin_in_place", lambda b: pytest.fail("pinned again"))
+    monkeypatch.setattr(cuda, "unpin", lambda b: pytest.fail("unpinned again"))
     checkpoint = read_checkpoint(ckpt)
-    reader = pinning.ShareReader(checkpoint, list(checkpoint.tensors), pin=True)
+    reader = host_memory.ShareReader(checkpoint, list(checkpoint.tensors), pin=True)
     with pytest.raises(OperationFailed, match="could not unpin host memory"):
         reader.result()
     assert len(pinned) >= 3 and sorted(lib.unregistered) == sorted(pinned)
-    assert [t.data_ptr() for t in pinning.kept_registered] == [pinned[0]]  # as a tensor
+    assert [t.data_ptr() for t in cuda.kept_registered] == [pinned[0]]  # as a tensor
     assert "warning: could not unpin" in capsys.readouterr().err

@@ -220,7 +220,7 @@ def test_format_bytes() -> None:
 
 def test_direct_registration_reports_every_byte_it_reads() -> None:
     from ckptctl.checkpoint import plan_split, read_checkpoint
-    from ckptctl.pipeline.pinning import ShareReader
+    from ckptctl.pipeline.host_memory import ShareReader
 
     checkpoint = read_checkpoint(TINY)
     share = plan_split(checkpoint, 2, "tensors").ranks[1]
@@ -248,7 +248,7 @@ def test_the_update_counts_a_bucket_once_the_worker_loaded_it() -> None:
     import torch
     import zmq
 
-    from ckptctl.pipeline.parameter_server import ReplyWatchingSocket
+    from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket
 
     ctx = zmq.Context()
     address = f"ipc://@ckptctl-test-buckets-{os.getpid()}-{time.monotonic_ns()}"

@@ -33,7 +33,7 @@ def read_and_plan(checkpoint_path: str, world_size: int, split: str) -> tuple[An
     """(checkpoint, plan): the headers read and the split planned, with the garbage collector
     paused meanwhile (tens of thousands of tensors, no cyclic garbage)."""
     from ckptctl.checkpoint import plan_split, read_checkpoint
-    from ckptctl.pipeline.pinning import gc_paused
+    from ckptctl.pipeline.host_memory import gc_paused
 
     with gc_paused():
         checkpoint = read_checkpoint(checkpoint_path)
@@ -168,8 +168,8 @@ def check_same_plan(job: Job, plan: Any, checkpoint_path: str) -> None:
 def start_parameter_server(job: Job, *, p2p: str, longest_wait_s: float | None = None) -> Any:
     """longest_wait_s: how long the job may wait in one collective before its watchdog ends it
     (default: the job's timeout); NCCL's own timeout is set past it (group_timeout_s)."""
+    from ckptctl.pipeline.host_memory import import_torch
     from ckptctl.pipeline.parameter_server import ParameterServerSession
-    from ckptctl.pipeline.pinning import import_torch
     from ckptctl.pipeline.process_group import group_timeout_s
 
     with job.reporter.stage("start", "starting checkpoint-engine's parameter server") as st:
@@ -211,7 +211,7 @@ def prefetch_share(
     share's file pages are dropped from the page cache once read (pinning._OpenFiles)."""
     if mode != "direct":
         return None
-    from ckptctl.pipeline.pinning import ShareReader
+    from ckptctl.pipeline.host_memory import ShareReader
 
     on_read = reporter.counter("register").add if reporter is not None else None
     return ShareReader(
@@ -237,7 +237,7 @@ def register_share(
     prefetched: Any | None = None,
 ) -> None:
     """engine: checkpoint-engine copies views of the file mapping into pinned buffers it
-    allocates; direct: we pread into buffers and pin them in place (pinning.py)."""
+    allocates; direct: we pread into buffers and pin them in place (host_memory)."""
     label = "loading the shares"  # (short: the live view adds ", N ranks" at 80 columns)
     with job.reporter.stage("register", label, nbytes=share.bytes, node_wide=True) as st:
         st.detail = f"{mode} registration"
@@ -251,7 +251,7 @@ def register_share(
             session.register_files(name, [str(checkpoint.path_of(f)) for f in share.files])
             return
         if mode == "direct":
-            from ckptctl.pipeline.pinning import ShareReader
+            from ckptctl.pipeline.host_memory import ShareReader
 
             reader = prefetched or ShareReader(
                 checkpoint, share.tensors, pin=True, on_read=st.done.add
@@ -264,7 +264,7 @@ def register_share(
                     "read": reader.read_seconds or 0.0,
                     "pin": reader.pin_seconds or 0.0,
                 }
-                st.background_started = getattr(reader, "_started", None)  # (--trace)
+                st.background_started = getattr(reader, "started_at", None)  # (--trace)
             else:
                 read, pin = reader.read_seconds or 0.0, reader.pin_seconds or 0.0
                 how = f"read {read:.2f}s + pin {pin:.2f}s, {how}"
@@ -541,7 +541,7 @@ def push(
         job.reporter.stage("update", "pushing the weights", nbytes=nbytes) as st,
         frozen_heap(),
     ):
-        # Every bucket the server's worker has loaded counts (parameter_server.py).
+        # Every bucket the server's worker has loaded counts (parameter_server).
         session.on_bucket_loaded = st.done.add
         try:
             if broadcast:

@@ -61,7 +61,7 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
         # start-up instead of failing every push.
         stages.build_group(job, session)
         if opts.register_mode == "direct":
-            from ckptctl.pipeline.pinning import PinnedPool
+            from ckptctl.pipeline.host_memory import PinnedPool
 
             state.pool = PinnedPool()  # pinned once, refilled by every push
         ended = serve_loop(

@@ -17,7 +17,7 @@ from ckptctl.errors import ExitCode
 
 if TYPE_CHECKING:
     from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
-    from ckptctl.pipeline.pinning import PinnedPool
+    from ckptctl.pipeline.host_memory import PinnedPool
 
 
 @dataclass(frozen=True)
