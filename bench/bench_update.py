@@ -6,7 +6,7 @@
     python bench/bench_update.py --model qwen3-4b --tp 1 --out bench/results   # quick, 1 GPU
 
 It writes a synthetic checkpoint with the model's real tensor names and shapes (HF layout:
-shards + index.json, random bytes), starts the test receiver (tests/gpu_receiver.py: one
+shards + index.json, random bytes), starts the test receiver (tests/support/gpu_receiver.py: one
 process per GPU loading through checkpoint_engine.worker.update_weights_from_ipc and checking
 every tensor bit for bit), runs the real CLI under torchrun, and measures in the same run:
 pinned and pageable host->device copies, the page cache's read limit with 1..16 threads (each
@@ -163,7 +163,7 @@ def start_receiver(
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(REPO / "tests" / "gpu_receiver.py"),
+            str(REPO / "tests" / "support" / "gpu_receiver.py"),
             "--checkpoint-path",
             str(ckpt),
             "--devices",

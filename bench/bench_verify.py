@@ -13,7 +13,7 @@ SHA-256 rate (times the threads: the ceiling), and a memcpy of the same bytes.
 
 gpu: a synthetic checkpoint with the model's real names and shapes (DeepSeek-V3: its first
 --layers layers, embeddings and head: the full 680 GB does not fit on one node), the test
-receiver (tests/gpu_receiver.py), and runs of `torchrun ... ckptctl update`, alternating:
+receiver (tests/support/gpu_receiver.py), and runs of `torchrun ... ckptctl update`, alternating:
 a plain update, then `--verify` against a receiver that offers compare_checksum (profile
 sglang-pr17009: every rank hashes its share while the update runs, the leader sends every
 SHA-256), then `--verify-round-trip --reset-served-weights` against an SGLang 0.5.23 one. The

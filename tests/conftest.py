@@ -1,4 +1,8 @@
-"""Shared fixtures: real fake servers, and running the CLI in-process or as the installed script."""
+"""Shared fixtures: real fake servers, and running the CLI in-process or as the installed script.
+
+The helper modules (tests/support: fake_server, ckpt_factory, cpu_ps_rank, ...) are imported by
+their own names, in the tests and in the scripts the tests start: their folder goes on sys.path
+here and on PYTHONPATH for every process the tests start."""
 
 from __future__ import annotations
 
@@ -14,11 +18,17 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-import pytest
-from fake_server import Behaviour, FakeServer, reserved_port, torchrun_job
-from typer.testing import CliRunner
+HELPER_DIRS = [str(Path(__file__).resolve().parent / "support")]
+sys.path[:0] = [d for d in HELPER_DIRS if d not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [*HELPER_DIRS, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+)
 
-from ckptctl.cli import app
+import pytest  # noqa: E402
+from fake_server import Behaviour, FakeServer, reserved_port, torchrun_job  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from ckptctl.cli import app  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +91,7 @@ def run_script(
     )
 
 
-CPU_PS_RANK = str(Path(__file__).with_name("cpu_ps_rank.py"))
+CPU_PS_RANK = str(Path(HELPER_DIRS[0]) / "cpu_ps_rank.py")
 
 
 def cpu_serve_job(
