@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import invoke
 
+from ckptctl.errors import InvalidInput
+
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
 
 
@@ -104,3 +106,24 @@ def test_a_dtype_in_place_pinning_cannot_read_is_refused_untouched(shm_dir: Path
         assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_consume_refuses_a_folder_others_can_write() -> None:
+    """A 0777 folder on the way lets another user swap a subfolder for a symlink between the
+    check and checkpoint-engine's os.remove (which resolves the path again)."""
+    from ckptctl.pipeline.update import check_in_shm
+
+    base = Path(tempfile.mkdtemp(prefix="ckptctl-adv-", dir="/dev/shm"))
+    try:
+        (base / "sub").mkdir()
+        f = base / "sub" / "a.safetensors"
+        f.write_bytes(b"x")
+        check_in_shm(str(f))  # private folders: fine
+        os.chmod(base, 0o777)  # what mkdir gives under umask 000
+        with pytest.raises(InvalidInput, match="writable by other users"):
+            check_in_shm(str(f))
+        os.chmod(base, 0o1777)  # sticky, like /dev/shm itself: others cannot rename our folder
+        check_in_shm(str(f))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import invoke
+from conftest import invoke, run_script
 from fake_server import Behaviour, FakeServer
 
 from ckptctl import results
-from ckptctl.errors import redact, redact_doc, register_secret, register_url_secrets
+from ckptctl.errors import UsageError, redact, redact_doc, register_secret, register_url_secrets
 from ckptctl.progress import Reporter
 from ckptctl.server import ServerAddress
 
@@ -199,3 +199,21 @@ def test_an_openai_base_url_gets_a_hint_to_drop_v1(path: str) -> None:
     plain = invoke("update", "--dry-run", "--checkpoint-path", str(TINY), "--endpoint",
                    "http://127.0.0.1:1/v10")  # fmt: skip
     assert "/v1" not in plain.stderr.replace("/v10", "")
+
+
+def test_status_never_prints_an_endpoint_password() -> None:
+    from ckptctl.cli.serve import describe_status
+
+    ServerAddress("http://admin:hunter2pw@127.0.0.1:1")  # what serve registers at start-up
+    text = "\n".join(
+        describe_status({"targets": ["http://admin:hunter2pw@127.0.0.1:1"]}, "/x.sock")
+    )
+    assert "hunter2pw" not in text and "127.0.0.1:1" in text
+
+
+@pytest.mark.parametrize("key", ["ab\ncd", "key with space", "ключ"])
+def test_an_api_key_that_cannot_be_a_bearer_token_is_a_usage_error(key: str) -> None:
+    with pytest.raises(UsageError, match="printable ASCII"):
+        ServerAddress("http://127.0.0.1:1", api_key=key)
+    r = run_script("wait-ready", "--timeout", "1", env={"CKPTCTL_API_KEY": key})
+    assert r.returncode == 2 and "printable ASCII" in r.stderr

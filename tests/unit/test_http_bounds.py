@@ -10,12 +10,15 @@ hung up, and no more than a bounded number of bytes went out.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -251,3 +254,61 @@ def test_a_caller_that_expects_more_raises_the_cap() -> None:
     assert MAX_ANSWER_BYTES > MAX_RESPONSE_BYTES
     assert not isinstance(answer, BaseException), answer
     assert answer.status == 200 and len(answer.doc["checksums"]) == 30_000
+
+
+def _gzip(data: bytes) -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    return c.compress(data) + c.flush()
+
+
+def _bomb_server(decoded_bytes: int) -> tuple[socket.socket, int, list[bytes]]:
+    """Answers every request with a small body that decodes to `decoded_bytes` (gzip in gzip);
+    records each request's head."""
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    inner = b"".join(c.compress(b"\0" * (1 << 20)) for _ in range(decoded_bytes >> 20)) + c.flush()
+    body = _gzip(inner)
+    assert len(body) < 64 * 1024  # far below the 1 MiB cap on an answer
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    heads: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                buf = b""
+                while b"\r\n\r\n" not in buf:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
+                heads.append(buf)
+                head = (
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    f"Content-Encoding: gzip, gzip\r\nContent-Length: {len(body)}\r\n\r\n"
+                )
+                with contextlib.suppress(OSError):  # (the client may hang up first)
+                    conn.sendall(head.encode() + body)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, srv.getsockname()[1], heads
+
+
+def test_a_compressed_answer_is_never_decoded() -> None:
+    """A few kB that decode to 256 MiB: before, wait-ready decoded all of it (2.1 GB RSS for a
+    1 GiB bomb) and called the server ready. Now it asks for plain answers and reads nothing
+    else: the server is never ready, and the wait ends at its deadline."""
+    srv, port, heads = _bomb_server(256 << 20)
+    try:
+        r = run_script(
+            "wait-ready", "--endpoint", f"http://127.0.0.1:{port}", "--timeout", "3", "--json"
+        )
+    finally:
+        srv.close()
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "compressed" in r.stderr
+    assert heads and all(b"accept-encoding: identity" in h.lower() for h in heads)
