@@ -25,10 +25,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 
 import pytest  # noqa: E402
+from cli_run import ckptctl_script, invoke, run_script  # noqa: E402, F401 - tests import them from here
 from fake_server import Behaviour, FakeServer, reserved_port, torchrun_job  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
-
-from ckptctl.cli import app  # noqa: E402
+from locations import CPU_PS_RANK  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -64,34 +63,6 @@ def short_tmp() -> Iterator[Path]:
     d = tempfile.mkdtemp(prefix="ck", dir="/tmp")
     yield Path(d)
     shutil.rmtree(d, ignore_errors=True)
-
-
-def invoke(*args: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
-    """Run the CLI in-process (Typer's CliRunner keeps stdout and stderr apart)."""
-    return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
-
-
-def ckptctl_script() -> str:
-    """The installed console script next to this interpreter."""
-    script = Path(sys.executable).with_name("ckptctl")
-    return str(script) if script.exists() else shutil.which("ckptctl") or "ckptctl"
-
-
-def run_script(
-    *args: str, timeout: float = 60, env: dict[str, str] | None = None, **kw
-) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [ckptctl_script(), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        **kw,
-    )
-
-
-CPU_PS_RANK = str(Path(HELPER_DIRS[0]) / "cpu_ps_rank.py")
 
 
 def cpu_serve_job(

@@ -10,11 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import invoke
+from cpu_jobs import update_consuming
+from locations import TINY
 
 from ckptctl.errors import InvalidInput
-
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
 
 
 @pytest.fixture
@@ -32,34 +31,20 @@ def shm_copy(shm_dir: Path) -> Path:
     return Path(shutil.copytree(TINY, shm_dir / "tiny"))
 
 
-def _update(path: Path, *extra: str):  # type: ignore[no-untyped-def]
-    return invoke(
-        "update",
-        "--checkpoint-path",
-        str(path),
-        "--inference-parallel-size",
-        "1",
-        "--consume-shm-files",
-        "--timeout",
-        "20",
-        *extra,
-    )
-
-
 def test_outside_dev_shm_is_refused() -> None:
-    r = _update(TINY)
+    r = update_consuming(TINY)
     assert r.exit_code == 2 and "under /dev/shm only" in r.stderr
 
 
 def test_tensor_split_is_refused(shm_copy: Path) -> None:
-    r = _update(shm_copy, "--split", "tensors")
+    r = update_consuming(shm_copy, "--split", "tensors")
     assert r.exit_code == 2 and "--split files" in r.stderr
 
 
 @pytest.mark.no_cuda
 def test_nothing_is_deleted_when_the_job_fails_first(shm_copy: Path) -> None:
     before = sorted(p.name for p in shm_copy.iterdir())
-    r = _update(shm_copy)
+    r = update_consuming(shm_copy)
     assert r.exit_code == 1 and "no CUDA device" in r.stderr
     assert sorted(p.name for p in shm_copy.iterdir()) == before
 
@@ -68,17 +53,13 @@ def test_a_checkpoint_in_place_pinning_cannot_serve_is_refused_untouched(shm_dir
     """Mixed dtypes in two shards: checkpoint-engine packs a rank's files back to back, so the
     second file's int64s land at odd offsets and the server cannot view them (seen on the H200
     machine: "storage_offset() must be divisible by 8"). Refused with exit 3, nothing consumed."""
-    from ckpt_factory import mixed_tensors, write_real_checkpoint
+    from ckpt_factory import mixed_shards, write_real_checkpoint
 
     path = shm_dir / "mixed"
-    mixed = mixed_tensors(seed=1)
-    names = sorted(mixed)  # two shards: safetensors aligns within a file, not across files
-    write_real_checkpoint(
-        path, [{n: mixed[n] for n in names[::2]}, {n: mixed[n] for n in names[1::2]}]
-    )
+    write_real_checkpoint(path, mixed_shards(seed=1))
     try:
         before = {p.name: p.read_bytes() for p in path.iterdir()}
-        r = _update(path)
+        r = update_consuming(path)
         assert r.exit_code == 3, r.stderr
         assert "alignment" in r.stderr and "drop --consume-shm-files" in r.stderr
         assert [line for line in r.stderr.splitlines() if "error" in line] == [
@@ -100,7 +81,7 @@ def test_a_dtype_in_place_pinning_cannot_read_is_refused_untouched(shm_dir: Path
     (path / "model.safetensors").write_bytes(header_bytes(header) + bytes(range(8)))
     try:
         before = {p.name: p.read_bytes() for p in path.iterdir()}
-        r = _update(path)
+        r = update_consuming(path)
         assert r.exit_code == 3, r.stderr
         assert "F8_E8M0" in r.stderr and "drop --consume-shm-files" in r.stderr
         assert {p.name: p.read_bytes() for p in path.iterdir()} == before

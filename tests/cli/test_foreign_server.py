@@ -22,13 +22,12 @@ from pathlib import Path
 import pytest
 from conftest import invoke, run_script
 from fake_server import Behaviour, FakeServer, torchrun_cmd
+from locations import CPU_PS_RANK, TINY
 
 import ckptctl.cli.wait_ready as wait_ready_cli
 from ckptctl.server import MESSAGE_CHARS, ServerAddress, UpdateRefused, push_update
 
 FOREIGN = "this does not answer like SGLang or vLLM (check --endpoint)"
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
-SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "cpu_ps_rank.py")
 
 
 class _QuietHandler(SimpleHTTPRequestHandler):
@@ -96,7 +95,7 @@ def test_update_against_a_foreign_server_stops_before_the_push(http_server: str)
     """The real CLI (ParameterServer stood in): the wait for the server ends at once with the
     reason, and no update is POSTed."""
     cmd = torchrun_cmd(
-        SCRIPT, "update", "--checkpoint-path", str(TINY), "--inference-parallel-size", "1",
+        CPU_PS_RANK, "update", "--checkpoint-path", str(TINY), "--inference-parallel-size", "1",
         "--endpoint", http_server, "--timeout", "300", nproc=1,
     )  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 from ckpt_factory import mixed_tensors, write_raw, write_real_checkpoint
 from conftest import run_script
+from locations import TINY
 
 from ckptctl.checkpoint import load_tensors, read_checkpoint
 from ckptctl.checkpoint.headers import MAX_INDEX_BYTES
 from ckptctl.errors import InvalidInput
 from ckptctl.pipeline import pinning
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
 INDEX = "model.safetensors.index.json"
 GUARD_S = 60  # far longer than any refusal takes; what blocked before never ended at all
 

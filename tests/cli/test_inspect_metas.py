@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_run import invoke, run_script
 from conftest import assert_failure_document
 from metas_samples import (
     every_dtype_metas,
-    invoke,
     owner,
     param,
     rewrite,
-    run_script,
     small_metas,
     write_small_metas,
 )

@@ -6,12 +6,10 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from conftest import assert_failure_document, run_script
-
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
+from locations import TINY
 
 
 def test_native_writes_to_fd_1_go_to_stderr_during_a_job() -> None:

@@ -17,19 +17,18 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import invoke, run_script
+from cpu_jobs import UPDATE_ON_CPU
 from fake_server import Behaviour, FakeServer
+from locations import TINY
 
 from ckptctl import results
 from ckptctl.errors import UsageError, redact, redact_doc, register_secret, register_url_secrets
 from ckptctl.progress import Reporter
 from ckptctl.server import ServerAddress
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
-SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "cpu_ps_rank.py")
 KEY = "sk-live-0123456789abcdef"
 USER, PASSWORD = "opsuser", "hunter2-pass"
 BASIC = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
@@ -43,26 +42,17 @@ def _leaks(text: str) -> list[str]:
     return [s for s in (KEY, PASSWORD, BASIC) if s in text]
 
 
-def _update(endpoint: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    """The real update CLI in one process (no torchrun needed for a job of one)."""
-    return subprocess.run(
-        [
-            sys.executable, SCRIPT, "update", "--checkpoint-path", str(TINY),
-            "--inference-parallel-size", "1", "--endpoint", endpoint, "--timeout", "30", "--json",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "RANK": "0"},
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("password_in_url", [False, True])
 def test_an_echoed_api_key_and_url_password_are_never_printed(password_in_url: bool) -> None:
     with FakeServer(Behaviour(mode="echo_headers")) as s:
         endpoint = _with_password(s.endpoint) if password_in_url else s.endpoint
-        r = _update(endpoint, "--api-key", KEY)
+        r = subprocess.run(  # the real update CLI in one process (a job of one needs no torchrun)
+            [
+                sys.executable, *UPDATE_ON_CPU, "--inference-parallel-size", "1",
+                "--endpoint", endpoint, "--json", "--api-key", KEY,
+            ],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "RANK": "0"},
+        )  # fmt: skip
         sent = s.behaviour.requests[-1]["headers"]["Authorization"]
     assert sent == f"Bearer {KEY}"  # the key asked for goes out, even beside a URL password
     assert r.returncode == 1, r.stderr

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import ckptctl_script
 from fake_server import Behaviour, FakeServer
+from locations import TINY
 from pty_run import run_on_pty
-
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
 
 
 def _run_on_pty(

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_factory import write_real_checkpoint
-from metas_samples import invoke, owner, param
+from cli_run import invoke
+from metas_samples import owner, param
 from rich.table import Table
 from rich.text import Text
 

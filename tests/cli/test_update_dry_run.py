@@ -4,45 +4,30 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from ckpt_factory import MALFORMED, write_sparse_checkpoint
+from cli_run import ckptctl_script, invoke, run_script
 from conftest import assert_failure_document
 from fake_server import free_master_port
 from model_shapes import qwen3_8b
-from typer.testing import CliRunner
 
 from ckptctl.checkpoint import plan_split, read_checkpoint
-from ckptctl.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny-checkpoint"
-# A plain process, not a torchrun rank, whatever the environment running the tests says.
-NOT_TORCHRUN = {"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "LOCAL_WORLD_SIZE": None}
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
-def invoke(*args: str, env: dict[str, str | None] | None = None):  # type: ignore[no-untyped-def]
-    return CliRunner().invoke(app, list(args), env={**NOT_TORCHRUN, **(env or {})})
-
-
-def script() -> str:
-    path = Path(sys.executable).with_name("ckptctl")
-    return str(path) if path.exists() else shutil.which("ckptctl") or "ckptctl"
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in NOT_TORCHRUN}
-    return {**env, **extra}
-
-
-def run_script(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [script(), *args], capture_output=True, text=True, timeout=timeout, env=clean_env()
-    )
+@pytest.fixture(autouse=True)
+def _plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain process, not a torchrun rank, whatever the environment running the tests says
+    (in-process calls and the processes they start alike)."""
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
 
 
 def dry_run(*args: str, tp: int | None = None) -> list[str]:
@@ -275,7 +260,7 @@ def test_dry_run_does_not_import_torch() -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env=clean_env(),
+        env=dict(os.environ),
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["world_size"] == 1
@@ -286,7 +271,7 @@ def test_dry_run_does_not_import_torch() -> None:
 def test_torchrun_two_ranks_print_one_plan(launch: str) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     # `torchrun --no-python ckptctl ...` and `torchrun -m ckptctl ...` run the same CLI.
-    program = [script()] if launch == "--no-python" else ["ckptctl"]
+    program = [ckptctl_script()] if launch == "--no-python" else ["ckptctl"]
     cmd = [
         str(torchrun if torchrun.exists() else "torchrun"),
         *("--nproc-per-node", "2", "--master-port", str(free_master_port()), launch),
@@ -294,7 +279,7 @@ def test_torchrun_two_ranks_print_one_plan(launch: str) -> None:
         *dry_run("--checkpoint-path", str(TINY), "--json", tp=2),
     ]
     done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, env=clean_env(OMP_NUM_THREADS="1")
+        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)  # fails if both ranks printed, or anything else did

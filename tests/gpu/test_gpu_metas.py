@@ -10,44 +10,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from ckpt_factory import mixed_tensors, write_real_checkpoint
+from ckpt_factory import mixed_shards, write_real_checkpoint
 from conftest import run_script
-from fake_server import torchrun_cmd
+from gpu_jobs import record, torchrun_ckptctl
 from gpu_receiver import ReceiverServer
 
 pytestmark = [pytest.mark.gpu]
-RESULTS = os.environ.get("CKPTCTL_GPU_RESULTS")
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    mixed = mixed_tensors(seed=5)
-    names = sorted(mixed)
-    return write_real_checkpoint(
-        tmp_path_factory.mktemp("ckpt"),
-        [{n: mixed[n] for n in names[::2]}, {n: mixed[n] for n in names[1::2]}],
-    )
-
-
-def _torchrun(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        torchrun_cmd("--no-python", "ckptctl", *args, nproc=1),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
-    )
-
-
-def _record(name: str, doc: dict) -> None:
-    if RESULTS:
-        with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
-            fh.write(json.dumps({"test": name, **doc}) + "\n")
+    return write_real_checkpoint(tmp_path_factory.mktemp("ckpt"), mixed_shards(seed=5))
 
 
 @pytest.mark.parametrize("register_mode", [None, "engine"])  # None: the default, direct
@@ -55,7 +32,8 @@ def test_save_metas_then_inspect_then_join_refuses(
     ckpt: Path, tmp_path: Path, register_mode: str | None
 ) -> None:
     metas = tmp_path / "metas.json"
-    proc = _torchrun(
+    proc = torchrun_ckptctl(
+        1,
         "save-metas",
         "--checkpoint-path",
         str(ckpt),
@@ -96,7 +74,7 @@ def test_save_metas_then_inspect_then_join_refuses(
         assert r.returncode == 3
         assert "no p2p store address" in r.stderr
         assert rx.behaviour.requests == []  # refused before touching the server
-    _record(
+    record(
         f"save-metas ({register_mode or 'direct'}) -> inspect-metas -> join refusal",
         {
             "save_metas_wall_s": summary["ranks"][0]["wall_s"],
@@ -109,8 +87,8 @@ def test_save_metas_then_inspect_then_join_refuses(
 
 def test_save_metas_serves_until_sigterm_then_unregisters(ckpt: Path, tmp_path: Path) -> None:
     metas = tmp_path / "metas.json"
-    proc = _torchrun(
-        "save-metas", "--checkpoint-path", str(ckpt), "--metas-file", str(metas), "--json"
+    proc = torchrun_ckptctl(
+        1, "save-metas", "--checkpoint-path", str(ckpt), "--metas-file", str(metas), "--json"
     )
     deadline = time.monotonic() + 120
     while not metas.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -135,7 +113,8 @@ def test_save_metas_serves_until_sigterm_then_unregisters(ckpt: Path, tmp_path: 
 def test_update_save_metas_file_uses_the_same_writer(ckpt: Path, tmp_path: Path) -> None:
     metas = tmp_path / "from-update.json"
     with ReceiverServer(ckpt, [0]) as rx:
-        proc = _torchrun(
+        proc = torchrun_ckptctl(
+            1,
             "update",
             "--checkpoint-path",
             str(ckpt),

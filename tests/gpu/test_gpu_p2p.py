@@ -35,7 +35,9 @@ import pytest
 from ckpt_factory import mixed_tensors, write_real_checkpoint
 from conftest import run_script
 from fake_server import torchrun_cmd
+from gpu_jobs import RESULTS, json_summary, record
 from gpu_receiver import ReceiverConfig, ReceiverServer, read_headers
+from locations import P2P_RANK
 from p2p_rank import P2P_TCP_ENV
 
 pytestmark = [
@@ -45,18 +47,9 @@ pytestmark = [
         reason="needs mooncake-transfer-engine (bench/gpu_session.sh p2p; tests/gpu/README.md)",
     ),
 ]
-RESULTS = os.environ.get("CKPTCTL_GPU_RESULTS")
-P2P_RANK = str(Path(__file__).resolve().parents[1] / "support" / "p2p_rank.py")
 BIG_TENSORS = 32  # of 32 MiB each: 1 GiB, so that 32 MiB buckets make a transfer of 33 buckets
 JOB_TIMEOUT_S = 120  # each job's --timeout
 BOUND_S = 60.0  # a failing joiner must end well within this (and within its own --timeout)
-
-
-def _record(name: str, doc: dict[str, Any]) -> None:
-    if RESULTS:
-        Path(RESULTS).mkdir(parents=True, exist_ok=True)
-        with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
-            fh.write(json.dumps({"test": f"p2p: {name}", **doc}) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -199,12 +192,6 @@ class Job:
         self._out.close()
 
 
-def _summary(out: str) -> dict[str, Any]:
-    docs = [line for line in out.splitlines() if line.strip()]
-    assert len(docs) == 1, out
-    return json.loads(docs[0])
-
-
 def _failed_with_1(code: int, err: str) -> str:
     """torchrun's exit code is 1 for any failed rank; its report says the rank's own (a crash
     would be negative). Returns ckptctl's error line."""
@@ -296,7 +283,9 @@ def test_save_metas_holds_a_joinable_checkpoint(holder: Any, ckpt: Path) -> None
     addrs = [x["p2p_store_addr"] for x in doc["ranks"]]
     assert all(a.startswith("127.0.0.1:") for a in addrs) and len(set(addrs)) == 2
     assert doc["total_parameters"] == len(read_headers(ckpt))
-    _record("save-metas holder, 2 ranks", {"p2p_store_addrs": addrs, "bytes": doc["total_bytes"]})
+    record(
+        "p2p: save-metas holder, 2 ranks", {"p2p_store_addrs": addrs, "bytes": doc["total_bytes"]}
+    )
 
 
 def test_join_tp2_pulls_bit_exact(holder: Any, rx2: ReceiverServer, tmp_path: Path) -> None:
@@ -306,10 +295,10 @@ def test_join_tp2_pulls_bit_exact(holder: Any, rx2: ReceiverServer, tmp_path: Pa
     code, out, err = job.wait(180)
     assert code == 0, err[-4000:]
     _assert_bit_exact(rx2)
-    summary = _summary(out)
+    summary = json_summary(out)
     stage = _update_stage(summary)
-    _record(
-        "join TP2 from a 2-rank holder",
+    record(
+        "p2p: join TP2 from a 2-rank holder",
         {"wall_s": round(time.monotonic() - job.started, 2), "update": stage, "summary": summary},
     )
 
@@ -326,9 +315,9 @@ def test_join_tp1_pulls_bit_exact_in_many_buckets(
     code, out, err = job.wait(180)
     assert code == 0, err[-4000:]
     _assert_bit_exact(rx1)
-    summary = _summary(out)
-    _record(
-        "join TP1, 32 MiB buckets",
+    summary = json_summary(out)
+    record(
+        "p2p: join TP1, 32 MiB buckets",
         {"wall_s": round(time.monotonic() - job.started, 2), "update": _update_stage(summary)},
     )
 
@@ -348,10 +337,10 @@ def test_update_method_bit_exact(
     assert code == 0, err[-4000:]
     # `all` is the seed's: a broadcast, then p2p into the same ranks - two updates, both whole.
     _assert_bit_exact(rx2, updates=2 if method == "all" else 1)
-    summary = _summary(out)
+    summary = json_summary(out)
     assert summary["update_method"] == method
-    _record(
-        f"update --update-method {method}, TP2",
+    record(
+        f"p2p: update --update-method {method}, TP2",
         {"wall_s": round(time.monotonic() - job.started, 2), "update": _update_stage(summary)},
     )
 
@@ -361,7 +350,7 @@ def test_holder_stops_on_sigterm_and_was_joinable(holder: Any) -> None:
     assert job.signal(signal.SIGTERM), "no holder ranks found"
     code, out, err = job.wait(60)
     assert code == 0, err[-4000:]
-    summary = _summary(out)
+    summary = json_summary(out)
     assert summary["joinable"] is True and summary["why_not_joinable"] is None
     assert summary["served"] == "stopped by SIGTERM"
 
@@ -386,8 +375,8 @@ def test_join_from_a_holder_that_is_gone_fails_fast(
     report = _failed_update(rx1)
     errors = [e for w in report["workers"] for e in w["errors"]]
     assert any("p2p read" in e for e in errors), json.dumps(report, indent=1)[:4000]
-    _record(
-        "join from a stopped holder",
+    record(
+        "p2p: join from a stopped holder",
         {"exit_code": code, "seconds": round(took, 2), "error": error},
     )
 
@@ -426,8 +415,8 @@ def test_holder_killed_mid_transfer_ends_the_joiner(
     assert any("p2p read" in e for e in worker["errors"]), json.dumps(report, indent=1)[:4000]
     # Mid-transfer indeed: the server had loaded some tensors, not all.
     assert 0 < worker["tensors_received"] < report["expected_tensors"], worker
-    _record(
-        "holder SIGKILLed mid-transfer",
+    record(
+        "p2p: holder SIGKILLed mid-transfer",
         {
             "exit_code": code,
             "seconds_after_kill": round(took, 2),
@@ -450,6 +439,7 @@ def test_the_server_takes_updates_after_the_failed_joins(ckpt: Path, rx1: Receiv
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     _assert_bit_exact(rx1)
-    _record(
-        "broadcast update after the failed joins", {"update": _update_stage(_summary(r.stdout))}
+    record(
+        "p2p: broadcast update after the failed joins",
+        {"update": _update_stage(json_summary(r.stdout))},
     )

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 from ckpt_factory import mixed_tensors, write_real_checkpoint
+from gpu_jobs import assert_bit_exact, json_summary, torchrun_update
 from gpu_receiver import ReceiverServer
-from test_gpu_update import _assert_bit_exact, _summary, _torchrun
 
 from ckptctl.checkpoint import plan_split, read_checkpoint
 
@@ -42,15 +42,15 @@ def test_the_update_counts_every_bucket_and_the_reader_every_byte(
 ) -> None:
     total = read_checkpoint(checkpoint).total_bytes
     with ReceiverServer(checkpoint, [0]) as rx:
-        code, out, err, _ = _torchrun(
+        code, out, err, _ = torchrun_update(
             1,
             "--checkpoint-path", str(checkpoint), "--inference-parallel-size", "1",
             "--endpoint", rx.endpoint, "--json", "--timeout", "120",
             "--bucket-size-gb", "0.001", "--register-mode", mode,
         )  # fmt: skip
         assert code == 0, err[-4000:]
-        _assert_bit_exact(rx, checkpoint)
-    stages: dict[str, Any] = _summary(out)["ranks"][0]["stages"]
+        assert_bit_exact(rx, checkpoint)
+    stages: dict[str, Any] = json_summary(out)["ranks"][0]["stages"]
     update, register = stages["update"], stages["register"]
     # every bucket's reply came back empty (loaded), and each one was counted once
     assert update["bytes"] == total and update["bytes_done"] == total, json.dumps(stages)

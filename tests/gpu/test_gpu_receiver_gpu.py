@@ -16,17 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 from fake_server import free_master_port
+from gpu_jobs import gpu_count
 from gpu_receiver import ReceiverConfig, ReceiverServer
 from gpu_smoke_ps import write_checkpoint
 
 pytestmark = [pytest.mark.gpu]
 HERE = Path(__file__).resolve().parents[1] / "support"
-
-
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +88,7 @@ def short_uds() -> Iterator[str]:
 def test_ps_rounds_arrive_bit_exact_and_failures_are_caught(
     ckpt: Path, tmp_path: Path, tp: int
 ) -> None:
-    if _gpus() < tp:
+    if gpu_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     out = tmp_path / "result.json"
     with ReceiverServer(ckpt, devices=list(range(tp))) as rx:

@@ -15,44 +15,11 @@ import pytest
 import torch
 from ckpt_factory import write_real_checkpoint
 from conftest import run_script, wait_for_path
-from fake_server import free_master_port, torchrun_cmd
+from gpu_jobs import gpu_memory_used_mib, kill_tree, record, start_serve_job
 from gpu_receiver import ReceiverServer
-from test_gpu_update import _kill_tree
 
 # GPU memory is read for the whole device (nvidia-smi): no other GPU test beside these.
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_serial]
-RESULTS = os.environ.get("CKPTCTL_GPU_RESULTS")
-
-
-def start_serve_job(endpoint: str, sock: str, log: Path, *flags: str) -> subprocess.Popen[str]:
-    """`torchrun ... ckptctl serve` with one rank, feeding `endpoint`, its control socket at
-    `sock` and its output in the file `log` (never a pipe nobody reads while it runs). Its rank
-    has a session of its own: end a job that is still running with `_kill_tree(job)`."""
-    port = free_master_port()
-    with log.open("w") as out:  # (the job keeps its own copy of the descriptor)
-        job = subprocess.Popen(
-            torchrun_cmd(
-                "--no-python",
-                "ckptctl",
-                "serve",
-                "--control-socket",
-                sock,
-                "--inference-parallel-size",
-                "1",
-                "--endpoint",
-                endpoint,
-                *flags,
-                nproc=1,
-                port=port,
-            ),  # fmt: skip
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
-            start_new_session=True,
-        )
-    job.master_port = port  # type: ignore[attr-defined] - names its ranks for _kill_tree
-    return job
 
 
 def _checkpoint(root: Path, seed: int) -> Path:
@@ -62,16 +29,6 @@ def _checkpoint(root: Path, seed: int) -> Path:
     }
     tensors["norm"] = torch.randn(1024, generator=g)
     return write_real_checkpoint(root, [tensors])
-
-
-def _gpu_memory_used_mib() -> int:
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return int(out.strip())
 
 
 # register_mode None: the default (direct, one pinned pool refilled by every push); engine:
@@ -138,7 +95,7 @@ def test_ten_pushes_in_a_row_each_bit_exact(
                 if (
                     i == refused_at
                 ):  # the server refuses (HTTP 400): the push fails, the job goes on
-                    gpu_before_refusal = _gpu_memory_used_mib()
+                    gpu_before_refusal = gpu_memory_used_mib()
                     rx.set_config(refuse="IPC weight update failed: busy")
                     refused = run_script(
                         "push", "--control-socket", sock, "--checkpoint-path", str(ck), timeout=120
@@ -147,29 +104,26 @@ def test_ten_pushes_in_a_row_each_bit_exact(
                     assert refused.returncode == 1, refused.stderr
                     assert "refused the update: HTTP 400" in refused.stderr
                 if i == refused_at + 1:  # the refused push's IPC buffer was given back
-                    grown = _gpu_memory_used_mib() - gpu_before_refusal
+                    grown = gpu_memory_used_mib() - gpu_before_refusal
                     assert grown < 1024, f"GPU memory grew by {grown} MiB after a refused push"
             with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as client:
                 client.post("http://serve/stop")
             job.wait(timeout=60)
         finally:
             if job.poll() is None:
-                _kill_tree(job)
+                kill_tree(job)
     assert job.returncode == 0, log.read_text()[-3000:]
-    if RESULTS:
-        with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
-            doc = {"test": f"serve: {pushes} pushes, {register_mode or 'direct'}"}
-            fh.write(json.dumps({**doc, "push_seconds": seconds}) + "\n")
+    record(f"serve: {pushes} pushes, {register_mode or 'direct'}", {"push_seconds": seconds})
 
 
 def _wait_for_memory_back(baseline_mib: int, slack_mib: int = 1024, timeout: float = 20) -> int:
     """GPU 0's used memory once it is back within `slack_mib` of `baseline_mib` (or the last
     reading when the deadline passes: the caller's assertion then says by how much)."""
     deadline = time.monotonic() + timeout
-    used = _gpu_memory_used_mib()
+    used = gpu_memory_used_mib()
     while used - baseline_mib >= slack_mib and time.monotonic() < deadline:
         time.sleep(0.5)
-        used = _gpu_memory_used_mib()
+        used = gpu_memory_used_mib()
     return used
 
 
@@ -189,7 +143,7 @@ def test_failed_pushes_give_their_gpu_memory_back(tmp_path: Path, short_tmp: Pat
     )
     sock = str(short_tmp / "serve.sock")
     log = short_tmp / "serve.log"
-    record: dict[str, object] = {"test": "serve: failed pushes give GPU memory back"}
+    figures: dict[str, object] = {}
     with ReceiverServer(good, [0]) as rx:
         job = start_serve_job(rx.endpoint, sock, log, "--push-timeout", "120")
         try:
@@ -202,20 +156,20 @@ def test_failed_pushes_give_their_gpu_memory_back(tmp_path: Path, short_tmp: Pat
                 assert r.returncode == expect, r.stdout + r.stderr
 
             push(good, 0)  # the job's steady state: one checkpoint registered and served
-            baseline = _gpu_memory_used_mib()
-            record["baseline_mib"] = baseline
+            baseline = gpu_memory_used_mib()
+            figures["baseline_mib"] = baseline
             rx.set_config(refuse="IPC weight update failed: busy")
             after_refusals = []
             for _ in range(20):
                 push(good, 1)
                 after_refusals.append(_wait_for_memory_back(baseline) - baseline)
             rx.set_config(refuse=None)
-            record["grown_after_each_refusal_mib"] = after_refusals
+            figures["grown_after_each_refusal_mib"] = after_refusals
             assert max(after_refusals) < 1024, f"GPU memory grew after refusals: {after_refusals}"
 
             push(late, 3)  # a bad checkpoint found only when registering it
             grown_late = _wait_for_memory_back(baseline) - baseline
-            record["grown_after_bad_checkpoint_mib"] = grown_late
+            figures["grown_after_bad_checkpoint_mib"] = grown_late
             assert grown_late < 1024, f"GPU memory grew by {grown_late} MiB after exit 3"
 
             rx.set_config(verify_against=str(good))
@@ -228,11 +182,9 @@ def test_failed_pushes_give_their_gpu_memory_back(tmp_path: Path, short_tmp: Pat
             job.wait(timeout=60)
         finally:
             if job.poll() is None:
-                _kill_tree(job)
+                kill_tree(job)
     assert job.returncode == 0, log.read_text()[-3000:]
-    if RESULTS:
-        with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+    record("serve: failed pushes give GPU memory back", figures)
 
 
 def test_a_push_failing_in_bucket_1_is_partial_and_the_next_push_makes_it_whole(
@@ -294,5 +246,5 @@ def test_a_push_failing_in_bucket_1_is_partial_and_the_next_push_makes_it_whole(
             job.wait(timeout=60)
         finally:
             if job.poll() is None:
-                _kill_tree(job)
+                kill_tree(job)
     assert job.returncode == 0, log.read_text()[-3000:]

@@ -34,12 +34,10 @@ import torch
 from ckpt_factory import write_real_checkpoint
 from conftest import ckptctl_script, run_script, wait_for_path, wait_until
 from fake_server import reserved_port
-from test_gpu_serve import _gpu_memory_used_mib, start_serve_job
-from test_gpu_update import _kill_tree
+from gpu_jobs import RESULTS, gpu_memory_used_mib, kill_tree, start_serve_job
+from locations import GPU_RECEIVER
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_serial, pytest.mark.slow]
-RESULTS = os.environ.get("CKPTCTL_GPU_RESULTS")
-RECEIVER = str(Path(__file__).resolve().parents[1] / "support" / "gpu_receiver.py")
 
 
 def _checkpoint(root: Path, seed: int, width: int = 4096) -> Path:
@@ -65,7 +63,7 @@ class Receiver:
 
     def start(self) -> Receiver:
         self.proc = subprocess.Popen(
-            [sys.executable, RECEIVER, "--checkpoint-path", str(self.checkpoint),
+            [sys.executable, GPU_RECEIVER, "--checkpoint-path", str(self.checkpoint),
              "--devices", "0", "--port", str(self.port)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
         )  # fmt: skip
@@ -105,7 +103,7 @@ def test_serve_survives_each_fault_and_the_server_ends_whole(
     figures: dict[str, Any] = {}
 
     def record(fault: str, **fields: Any) -> None:
-        figures[fault] = {**fields, "gpu_memory_used_mib": _gpu_memory_used_mib()}
+        figures[fault] = {**fields, "gpu_memory_used_mib": gpu_memory_used_mib()}
         if RESULTS:
             Path(RESULTS).mkdir(parents=True, exist_ok=True)
             (Path(RESULTS) / "serve-faults.json").write_text(json.dumps(figures, indent=1))
@@ -231,5 +229,5 @@ def test_serve_survives_each_fault_and_the_server_ends_whole(
         assert whole and doc["server_weights"] == "whole"
     finally:
         if job.poll() is None:
-            _kill_tree(job)
+            kill_tree(job)
         rx.kill()

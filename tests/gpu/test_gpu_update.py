@@ -6,59 +6,36 @@ tensor bit for bit. Needs CUDA (see tests/gpu/README.md); figures land in $CKPTC
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from ckpt_factory import mixed_tensors, write_real_checkpoint
-from fake_server import free_master_port, free_port, torchrun_cmd
+from ckpt_factory import mixed_shards, mixed_tensors, write_real_checkpoint
+from fake_server import free_master_port, free_port
+from gpu_jobs import (
+    assert_bit_exact,
+    big_tensors,
+    ckptctl_pids,
+    finish,
+    json_summary,
+    needs_two,
+    record,
+    torchrun_update,
+)
 from gpu_receiver import ReceiverConfig, ReceiverServer
 
 pytestmark = [pytest.mark.gpu]
-RESULTS = os.environ.get("CKPTCTL_GPU_RESULTS")
-
-
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-needs_two = pytest.mark.skipif(
-    "not __import__('torch').cuda.is_available() or __import__('torch').cuda.device_count() < 2",
-    reason="needs 2 GPUs",
-)
-
-
-def _big_tensors(seed: int) -> dict[str, Any]:
-    """A few MB so that 1 MiB buckets make several buckets."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return {
-        f"model.layers.{i}.mlp.up_proj.weight": torch.randn(512, 1024, generator=g).to(
-            torch.bfloat16
-        )
-        for i in range(4)
-    } | {"model.norm.weight": torch.randn(1024, generator=g)}
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Three shards + index.json: every dtype incl. fp8, uint, bool, 0-dim and empty tensors."""
-    mixed = mixed_tensors(seed=1)
-    names = sorted(mixed)
     return write_real_checkpoint(
-        tmp_path_factory.mktemp("sharded"),
-        [{n: mixed[n] for n in names[::2]}, {n: mixed[n] for n in names[1::2]}, _big_tensors(2)],
+        tmp_path_factory.mktemp("sharded"), [*mixed_shards(seed=1), big_tensors(2)]
     )
 
 
@@ -67,103 +44,9 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One model.safetensors, mixed dtypes."""
     return write_real_checkpoint(
         tmp_path_factory.mktemp("single"),
-        [mixed_tensors(seed=3) | _big_tensors(4)],
+        [mixed_tensors(seed=3) | big_tensors(4)],
         names=["model.safetensors"],
     )
-
-
-def _record(name: str, doc: dict[str, Any]) -> None:
-    if RESULTS:
-        Path(RESULTS).mkdir(parents=True, exist_ok=True)
-        with open(Path(RESULTS) / "gpu_tests.jsonl", "a") as fh:
-            fh.write(json.dumps({"test": name, **doc}) + "\n")
-
-
-def _torchrun(
-    nproc: int,
-    *args: str,
-    timeout: float = 180,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    master_port: int | None = None,
-    wait: bool = True,
-) -> Any:
-    master_port = master_port or free_master_port()
-    cmd = torchrun_cmd(
-        "--no-python", "ckptctl", "update", *args,
-        nproc=nproc, nnodes=nnodes, node_rank=node_rank, port=master_port,
-    )  # fmt: skip
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    proc.master_port = master_port  # type: ignore[attr-defined] - names this job's ranks
-    if not wait:
-        return proc
-    return _finish(proc, timeout)
-
-
-def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str, float]:
-    t0 = time.monotonic()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not end within {timeout}s\n{err[-4000:]}")
-    return proc.returncode, out, err, time.monotonic() - t0
-
-
-def _kill_tree(proc: subprocess.Popen[str]) -> None:
-    """torchrun starts its workers in their own sessions: kill them by environment too."""
-    for pid in _ckptctl_pids(master_port=proc.master_port):  # type: ignore[attr-defined]
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _ckptctl_pids(rank: int | None = None, *, master_port: int) -> list[int]:
-    """The ranks of the job on `master_port`, whatever their command (update, serve, ...); GPU
-    tests run four at a time: never another test's ranks - a search by rank alone once killed
-    the rank of a test running beside."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes()
-            env = (d / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (
-            b"ckptctl" in cmd
-            and b"torch.distributed.run" not in cmd
-            and f"MASTER_PORT={master_port}".encode() in env
-            and (rank is None or f"RANK={rank}".encode() in env)
-        ):
-            pids.append(int(d.name))
-    return pids
-
-
-def _assert_bit_exact(rx: ReceiverServer, ckpt: Path) -> dict[str, Any]:
-    report = rx.report()
-    assert report["ok"], json.dumps(report, indent=1)[:4000]
-    for w in report["workers"]:
-        assert w["mismatches"] == [] and w["missing"] == [] and w["unexpected"] == []
-        assert w["duplicates"] == [] and w["errors"] == [] and w["swallowed_errors"] == []
-        assert w["tensors_received"] == report["expected_tensors"]
-    return report
-
-
-def _summary(out: str) -> dict[str, Any]:
-    docs = [line for line in out.splitlines() if line.strip()]
-    assert len(docs) == 1, out
-    return json.loads(docs[0])
 
 
 # -- it works -------------------------------------------------------------------------------------
@@ -222,10 +105,10 @@ def test_tp1(
         threads = 3 if mode == "direct" and split == "files" else None
         if threads:
             args += ["--read-threads", str(threads)]
-        code, out, err, took = _torchrun(1, *args)
+        code, out, err, took = torchrun_update(1, *args)
         assert code == 0, err[-4000:]
-        summary = _summary(out)
-        report = _assert_bit_exact(rx, ckpt)
+        summary = json_summary(out)
+        report = assert_bit_exact(rx, ckpt)
     assert summary["ok"] and summary["split"] in ("files", "tensors")
     stages = summary["ranks"][0]["stages"]
     assert stages["register"]["detail"].startswith(f"{mode} registration")
@@ -238,7 +121,7 @@ def test_tp1(
     if engine == "sglang":
         assert report["weight_version"] == f"v-{layout}-{split}"
         assert "verify" in summary["ranks"][0]["stages"]
-    _record(
+    record(
         f"tp1-{layout}-{split}-{profile}-{'uds' if uds else 'tcp'}-{mode}",
         {"wall_s": took, "summary": summary},
     )
@@ -257,7 +140,7 @@ def test_tp2_one_server(sharded: Path, register_mode: str | None) -> None:
     shm_before = _torch_shm_files()
     mode = ["--register-mode", register_mode] if register_mode else []
     with ReceiverServer(sharded, [0, 1]) as rx:
-        code, out, err, took = _torchrun(
+        code, out, err, took = torchrun_update(
             2,
             "--checkpoint-path",
             str(sharded),
@@ -273,13 +156,13 @@ def test_tp2_one_server(sharded: Path, register_mode: str | None) -> None:
             *mode,
         )
         assert code == 0, err[-4000:]
-        _assert_bit_exact(rx, sharded)
+        assert_bit_exact(rx, sharded)
     left = sorted(_torch_shm_files() - shm_before)
-    _record(
+    record(
         f"tp2-one-server-{register_mode or 'direct'}",
-        {"wall_s": took, "summary": _summary(out), "shm_left": left},
+        {"wall_s": took, "summary": json_summary(out), "shm_left": left},
     )
-    summary = _summary(out)
+    summary = json_summary(out)
     assert len(summary["ranks"]) == 2
     for rank in summary["ranks"]:
         detail = rank["stages"]["gather_metas"].get("detail", "")
@@ -290,7 +173,7 @@ def test_tp2_one_server(sharded: Path, register_mode: str | None) -> None:
 @needs_two
 def test_two_tp1_servers_under_one_torchrun(sharded: Path) -> None:
     with ReceiverServer(sharded, [0]) as rx0, ReceiverServer(sharded, [1]) as rx1:
-        code, out, err, took = _torchrun(
+        code, out, err, took = torchrun_update(
             2,
             "--checkpoint-path",
             str(sharded),
@@ -303,9 +186,9 @@ def test_two_tp1_servers_under_one_torchrun(sharded: Path) -> None:
             "--json",
         )
         assert code == 0, err[-4000:]
-        _assert_bit_exact(rx0, sharded)
-        _assert_bit_exact(rx1, sharded)
-    _record("two-tp1-servers", {"wall_s": took, "summary": _summary(out)})
+        assert_bit_exact(rx0, sharded)
+        assert_bit_exact(rx1, sharded)
+    record("two-tp1-servers", {"wall_s": took, "summary": json_summary(out)})
 
 
 @needs_two
@@ -314,7 +197,7 @@ def test_two_torchrun_nodes_on_loopback(sharded: Path) -> None:
     port = free_master_port()
     with ReceiverServer(sharded, [0]) as rx0, ReceiverServer(sharded, [1]) as rx1:
         common = ["--checkpoint-path", str(sharded), "--inference-parallel-size", "1", "--json"]
-        node0 = _torchrun(
+        node0 = torchrun_update(
             1,
             *common,
             "--endpoint",
@@ -324,7 +207,7 @@ def test_two_torchrun_nodes_on_loopback(sharded: Path) -> None:
             master_port=port,
             wait=False,
         )
-        node1 = _torchrun(
+        node1 = torchrun_update(
             1,
             *common,
             "--endpoint",
@@ -334,13 +217,13 @@ def test_two_torchrun_nodes_on_loopback(sharded: Path) -> None:
             master_port=port,
             wait=False,
         )
-        r0, r1 = _finish(node0, 180), _finish(node1, 180)
+        r0, r1 = finish(node0, 180), finish(node1, 180)
         assert r0[0] == 0, r0[2][-4000:]
         assert r1[0] == 0, r1[2][-4000:]
-        _assert_bit_exact(rx0, sharded)
-        _assert_bit_exact(rx1, sharded)
+        assert_bit_exact(rx0, sharded)
+        assert_bit_exact(rx1, sharded)
     assert r1[1].strip() == ""  # only global rank 0 prints the summary
-    _record("two-nodes", {"wall_s": r0[3], "summary": _summary(r0[1])})
+    record("two-nodes", {"wall_s": r0[3], "summary": json_summary(r0[1])})
 
 
 def test_checkpoint_in_dev_shm_is_left_alone(sharded: Path) -> None:
@@ -350,7 +233,7 @@ def test_checkpoint_in_dev_shm_is_left_alone(sharded: Path) -> None:
     before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in shm.iterdir()}
     try:
         with ReceiverServer(shm, [0]) as rx:
-            code, _, err, _ = _torchrun(
+            code, _, err, _ = torchrun_update(
                 1,
                 "--checkpoint-path",
                 str(shm),
@@ -360,7 +243,7 @@ def test_checkpoint_in_dev_shm_is_left_alone(sharded: Path) -> None:
                 rx.endpoint,
             )
             assert code == 0, err[-4000:]
-            _assert_bit_exact(rx, shm)
+            assert_bit_exact(rx, shm)
         after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in shm.iterdir()}
         assert after == before
     finally:
@@ -410,7 +293,7 @@ FAILURES = {
 def test_failures_tp1(case: str, sharded: Path) -> None:
     config, want_code, words, extra = FAILURES[case]
     with ReceiverServer(sharded, [0], config=config) as rx:
-        code, out, err, took = _torchrun(
+        code, out, err, took = torchrun_update(
             1,
             "--checkpoint-path",
             str(sharded),
@@ -430,7 +313,7 @@ def test_failures_tp1(case: str, sharded: Path) -> None:
     assert words in err, err[-3000:]
     assert "[rank 0] error:" in err or "error:" in err
     assert out.strip() == ""
-    _record(
+    record(
         f"failure: {case}",
         {
             "exit_code": want_code,
@@ -443,7 +326,7 @@ def test_failures_tp1(case: str, sharded: Path) -> None:
 @needs_two
 def test_refusal_ends_both_ranks_tp2(sharded: Path) -> None:
     with ReceiverServer(sharded, [0, 1], config=ReceiverConfig(refuse="no thanks")) as rx:
-        code, _, err, took = _torchrun(
+        code, _, err, took = torchrun_update(
             2,
             "--checkpoint-path",
             str(sharded),
@@ -457,13 +340,13 @@ def test_refusal_ends_both_ranks_tp2(sharded: Path) -> None:
     assert code != 0
     assert "[rank 0] error:" in err and "no thanks" in err
     assert took < 60
-    _record("failure: TP2 refusal", {"seconds": round(took, 2)})
+    record("failure: TP2 refusal", {"seconds": round(took, 2)})
 
 
 @needs_two
 def test_a_rank_killed_mid_update_ends_the_job(sharded: Path) -> None:
     with ReceiverServer(sharded, [0, 1], config=ReceiverConfig(delay_s=6)) as rx:
-        proc = _torchrun(
+        proc = torchrun_update(
             2,
             "--checkpoint-path",
             str(sharded),
@@ -478,20 +361,20 @@ def test_a_rank_killed_mid_update_ends_the_job(sharded: Path) -> None:
         deadline = time.monotonic() + 90
         while not rx.behaviour.requests and time.monotonic() < deadline:
             time.sleep(0.2)
-        victims = _ckptctl_pids(rank=1, master_port=proc.master_port)
+        victims = ckptctl_pids(rank=1, master_port=proc.master_port)
         assert victims, "rank 1 not found"
         t_kill = time.monotonic()
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
-        code, _, err, _ = _finish(proc, 150)
+        code, _, err, _ = finish(proc, 150)
         took = time.monotonic() - t_kill
     assert code != 0
     assert took < 60
-    _record("failure: rank 1 SIGKILLed mid-update", {"seconds_after_kill": round(took, 2)})
+    record("failure: rank 1 SIGKILLed mid-update", {"seconds_after_kill": round(took, 2)})
 
 
 def test_nothing_listening_times_out_with_exit_4(sharded: Path) -> None:
-    code, _, err, took = _torchrun(
+    code, _, err, took = torchrun_update(
         1,
         "--checkpoint-path",
         str(sharded),
@@ -504,19 +387,19 @@ def test_nothing_listening_times_out_with_exit_4(sharded: Path) -> None:
     )
     assert code != 0 and ("exitcode  : 4" in err or "exitcode: 4" in err), err[-3000:]
     assert took < 40
-    _record("failure: no server, --timeout 10", {"exit_code": 4, "seconds": round(took, 2)})
+    record("failure: no server, --timeout 10", {"exit_code": 4, "seconds": round(took, 2)})
 
 
 def test_consume_shm_files_pins_in_place_and_deletes_only_when_asked(tmp_path: Path) -> None:
     # bf16 and fp32 tensors of even sizes: what in-place pinning can serve (a mixed-dtype
     # checkpoint is refused up front: tests/cli/test_consume.py)
-    shards = [{f"{k}.{n}": t for n, t in _big_tensors(k).items()} for k in (5, 6)]
+    shards = [{f"{k}.{n}": t for n, t in big_tensors(k).items()} for k in (5, 6)]
     original = write_real_checkpoint(tmp_path / "packed", shards)
     shm = Path("/dev/shm") / f"ckptctl-consume-{os.getpid()}"
     shutil.copytree(original, shm)
     try:
         with ReceiverServer(original, [0]) as rx:  # verified against the original files
-            code, _, err, _ = _torchrun(
+            code, _, err, _ = torchrun_update(
                 1,
                 "--checkpoint-path",
                 str(shm),
@@ -527,7 +410,7 @@ def test_consume_shm_files_pins_in_place_and_deletes_only_when_asked(tmp_path: P
                 "--consume-shm-files",
             )
             assert code == 0, err[-4000:]
-            _assert_bit_exact(rx, original)
+            assert_bit_exact(rx, original)
         assert not list(shm.glob("*.safetensors"))  # consumed, as the flag says
     finally:
         shutil.rmtree(shm, ignore_errors=True)

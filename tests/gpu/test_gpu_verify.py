@@ -14,8 +14,16 @@ from typing import Any
 
 import pytest
 from ckpt_factory import mixed_tensors, write_real_checkpoint
+from gpu_jobs import (
+    big_tensors,
+    json_summary,
+    kill_tree,
+    needs_two,
+    record,
+    start_serve_job,
+    torchrun_update,
+)
 from gpu_receiver import ReceiverServer
-from test_gpu_update import _big_tensors, _record, _summary, _torchrun, needs_two
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]  # several torchruns per test
 
@@ -27,7 +35,7 @@ FLIPPED = "fp8_e4m3"  # a small one
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two shards: every dtype (0-dim and empty tensors too) and a few MB of bf16."""
     return write_real_checkpoint(
-        tmp_path_factory.mktemp("verify"), [mixed_tensors(seed=7), _big_tensors(8)]
+        tmp_path_factory.mktemp("verify"), [mixed_tensors(seed=7), big_tensors(8)]
     )
 
 
@@ -35,14 +43,14 @@ def _update(rx_endpoints: list[str], ckpt: Path, *flags: str, tp: int = 1) -> tu
     args = ["--checkpoint-path", str(ckpt), "--inference-parallel-size", str(tp), "--json"]
     for endpoint in rx_endpoints:
         args += ["--endpoint", endpoint]
-    code, out, err, _ = _torchrun(
+    code, out, err, _ = torchrun_update(
         tp * len(rx_endpoints), *args, "--bucket-size-gb", "0.001", *flags
     )
     return code, out, err
 
 
 def _failed(code: int, out: str, err: str, *names: str) -> dict[str, Any]:
-    doc = _summary(out)
+    doc = json_summary(out)
     assert code != 0 and doc["exit_code"] == 1, err[-3000:]
     for name in names:
         assert name in doc["error"], doc["error"]
@@ -60,10 +68,10 @@ def test_compare_checksum_tp1_proves_every_tensor_and_names_a_lost_or_flipped_on
     with ReceiverServer(ckpt, [0], profile="sglang-pr17009") as rx:
         code, out, err = _update([rx.endpoint], ckpt, "--verify")
         assert code == 0, err[-3000:]
-        doc = _summary(out)
+        doc = json_summary(out)
         assert doc["verified"] == "checksum"
         assert doc["verification"]["tensor_count"] == len(rx.headers)
-        _record("verify-checksum-tp1", {"verification": doc["verification"]})
+        record("verify-checksum-tp1", {"verification": doc["verification"]})
 
         rx.set_config(drop_tensor=LOST)
         _failed(*_update([rx.endpoint], ckpt, "--verify"), LOST)
@@ -77,7 +85,7 @@ def test_compare_checksum_tp1_proves_every_tensor_and_names_a_lost_or_flipped_on
 def test_released_sglang_with_one_server_cannot_verify_and_pushes_nothing(ckpt: Path) -> None:
     with ReceiverServer(ckpt, [0], profile="sglang-0.5.23") as rx:
         code, out, err = _update([rx.endpoint], ckpt, "--verify")
-        assert code != 0 and _summary(out)["exit_code"] == 3, err[-3000:]
+        assert code != 0 and json_summary(out)["exit_code"] == 3, err[-3000:]
         assert "this job feeds one server" in err
         assert rx.report()["updates"] == 0
 
@@ -89,9 +97,9 @@ def test_round_trip_tp1_passes_then_names_a_lost_tensor(ckpt: Path) -> None:
         assert code == 0, err[-3000:]
         code, out, err = _update([rx.endpoint], ckpt, *flags)
         assert code == 0, err[-3000:]
-        doc = _summary(out)
+        doc = json_summary(out)
         assert doc["verified"] == "round-trip"
-        _record("verify-round-trip-tp1", {"verification": doc["verification"]})
+        record("verify-round-trip-tp1", {"verification": doc["verification"]})
 
         rx.set_config(drop_tensor=LOST)
         _failed(*_update([rx.endpoint], ckpt, *flags), LOST)
@@ -102,7 +110,7 @@ def test_compare_checksum_tp2_names_a_lost_tensor(ckpt: Path) -> None:
     with ReceiverServer(ckpt, [0, 1], profile="sglang-pr17009") as rx:
         code, out, err = _update([rx.endpoint], ckpt, "--verify", tp=2)
         assert code == 0, err[-3000:]
-        assert _summary(out)["verified"] == "checksum"
+        assert json_summary(out)["verified"] == "checksum"
         rx.set_config(drop_tensor=LOST)
         _failed(*_update([rx.endpoint], ckpt, "--verify", tp=2), LOST)
         assert _mismatches(rx) == [[LOST], [LOST]]
@@ -116,9 +124,9 @@ def test_two_servers_agree_per_engine_and_a_corrupting_one_is_named(ckpt: Path) 
     ):
         code, out, err = _update([a.endpoint, b.endpoint], ckpt, "--verify")
         assert code == 0, err[-3000:]
-        doc = _summary(out)
+        doc = json_summary(out)
         assert doc["verified"] == "per-engine" and doc["verification"]["server_count"] == 2
-        _record("verify-per-engine-2x-tp1", {"verification": doc["verification"]})
+        record("verify-per-engine-2x-tp1", {"verification": doc["verification"]})
 
         b.set_config(corrupt_tensor=FLIPPED)
         failed = _failed(*_update([a.endpoint, b.endpoint], ckpt, "--verify"), FLIPPED)
@@ -134,8 +142,6 @@ def test_push_verify_through_a_serve_job_names_a_lost_tensor_and_keeps_serving(
     fails with its name (exit 1's exception) and the job goes on serving."""
 
     from conftest import wait_for_path
-    from test_gpu_serve import start_serve_job
-    from test_gpu_update import _kill_tree
 
     from ckptctl import client
     from ckptctl.errors import OperationFailed
@@ -160,10 +166,10 @@ def test_push_verify_through_a_serve_job_names_a_lost_tensor_and_keeps_serving(
             rx.set_config(drop_tensor=None)
             again = client.push(ckpt, verify=True, control_socket=sock, timeout=240)
             assert again["verified"] == "checksum" and again["server_weights"] == "whole"
-            _record("push-verify-checksum-tp1", {"verification": again["verification"]})
+            record("push-verify-checksum-tp1", {"verification": again["verification"]})
             client.stop(control_socket=sock, wait=60)
             job.wait(timeout=60)
         finally:
             if job.poll() is None:
-                _kill_tree(job)  # torchrun and its rank, which has a session of its own
+                kill_tree(job)  # torchrun and its rank, which has a session of its own
     assert job.returncode == 0, log.read_text()[-3000:]

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import cpu_serve_job, wait_for_path
 from fake_server import Behaviour, FakeServer
+from locations import TINY
 
 from ckptctl import client
 from ckptctl.errors import ExitCode, InvalidInput, OperationFailed
-
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import cpu_serve_job, run_script, wait_for_path
 from fake_checker import HeldWeights
 from fake_server import Behaviour, FakeServer
+from locations import TINY
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
 Q = "model.layers.0.self_attn.q_proj.weight"
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import raw_exchange, run_script, wait_for_path
 from fake_server import torchrun_job
-
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
-SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "serve_rank.py")
+from locations import SERVE_RANK, TINY
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +91,7 @@ def _job(
     sock: str, *, port: int | None = None, **env: str
 ) -> AbstractContextManager[subprocess.Popen[str]]:
     """The 2-rank serve job of serve_rank.py on control socket `sock`."""
-    return torchrun_job(SCRIPT, sock, port=port, env=env)
+    return torchrun_job(SERVE_RANK, sock, port=port, env=env)
 
 
 def _ran(log: Path) -> list[str]:
@@ -249,7 +247,7 @@ def test_on_two_nodes_the_second_nodes_socket_takes_status_and_stop_only(
     socks = [str(short_tmp / "node0.sock"), str(short_tmp / "node1.sock")]
 
     def node(n: int) -> AbstractContextManager[subprocess.Popen[str]]:
-        return torchrun_job(SCRIPT, socks[n], nproc=1, nnodes=2, node_rank=n, port=port)
+        return torchrun_job(SERVE_RANK, socks[n], nproc=1, nnodes=2, node_rank=n, port=port)
 
     with node(0) as node0, node(1) as node1:
         nodes = [node0, node1]

@@ -26,8 +26,7 @@ import pytest
 from conftest import ckptctl_script, cpu_serve_job, run_script, wait_for_path, wait_until
 from fake_server import Behaviour, FakeServer
 from fake_worker import ZmqWorkers
-
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
+from locations import TINY
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import CPU_PS_RANK, run_script, wait_until
 from fake_server import Behaviour, FakeServer, torchrun_cmd
-
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
-SERVE_RANK = str(Path(__file__).resolve().parents[1] / "support" / "serve_rank.py")
+from locations import SERVE_RANK, TINY
 
 pytestmark = pytest.mark.slow
 

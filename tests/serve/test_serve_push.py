@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import cpu_serve_job, run_script, wait_for_path
 from fake_server import Behaviour, FakeServer, free_master_port, torchrun_cmd
-
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
-SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "cpu_ps_rank.py")
+from locations import CPU_PS_RANK, TINY
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +183,7 @@ def test_an_update_that_breaks_off_after_the_workers_connected_says_partial_in_i
     may be partial."""
     with FakeServer(Behaviour()) as s:
         cmd = torchrun_cmd(
-            SCRIPT, "update", "--checkpoint-path", str(TINY), "--checkpoint-name",
+            CPU_PS_RANK, "update", "--checkpoint-path", str(TINY), "--checkpoint-name",
             "x-fail-after-connect", "--inference-parallel-size", "2", "--endpoint", s.endpoint,
             "--timeout", "60", "--json",
         )  # fmt: skip

@@ -171,6 +171,14 @@ def mixed_tensors(seed: int = 0) -> dict[str, object]:
 # and returns it; MALFORMED maps a case name to (builder, words the error line must contain).
 
 
+def mixed_shards(seed: int) -> list[dict[str, object]]:
+    """`mixed_tensors(seed)` dealt over two shards by name, alternately: every dtype, in two files
+    (safetensors aligns within a file, not across files)."""
+    mixed = mixed_tensors(seed)
+    names = sorted(mixed)
+    return [{n: mixed[n] for n in names[::2]}, {n: mixed[n] for n in names[1::2]}]
+
+
 def _good_header(name: str = "w", nbytes_: int = 16) -> dict[str, object]:
     return {name: {"dtype": "F32", "shape": [nbytes_ // 4], "data_offsets": [0, nbytes_]}}
 

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from checkpoint_engine.data_types import MemoryBufferMetaList, MemoryBufferMetas, ParameterMeta
-from typer.testing import CliRunner
-
-from ckptctl.cli import app
 
 # Every dtype torch has, once each under its canonical name (torch.float, torch.half are aliases).
 ALL_DTYPES = sorted(
@@ -106,18 +99,3 @@ def rewrite(path: Path, mutate: Any, *, fix_checksum: bool = True) -> None:
     if fix_checksum:
         doc["checksum"] = canonical_checksum(doc)
     path.write_text(json.dumps(doc))
-
-
-def invoke(*args: str):  # type: ignore[no-untyped-def]
-    """Run the CLI in-process (Typer's CliRunner keeps stdout and stderr apart)."""
-    return CliRunner().invoke(app, list(args), catch_exceptions=False)
-
-
-def run_script(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the installed `ckptctl` console script."""
-    script = Path(sys.executable).with_name("ckptctl")
-    exe = str(script) if script.exists() else shutil.which("ckptctl") or "ckptctl"
-    env = {k: v for k, v in os.environ.items() if k != "CKPTCTL_DEBUG"}
-    return subprocess.run(
-        [exe, *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
-    )

@@ -19,11 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cpu_jobs import update_consuming
 from fake_server import Behaviour, FakeServer, torchrun_cmd
-from test_consume import _update
+from locations import CPU_PS_RANK, TINY
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
-SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "cpu_ps_rank.py")
 MOVED = "model-00003-of-00003.safetensors"  # the shard that lives elsewhere
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
@@ -68,7 +67,7 @@ def test_a_shard_behind_a_symlinked_folder_is_refused_untouched(
     elsewhere = tmp_path / "home-of-the-shard"
     _move_behind_symlinked_folder(shm_dir, elsewhere)
     before = _contents(shm_dir, elsewhere)
-    r = _update(shm_dir)
+    r = update_consuming(shm_dir)
     _refused_untouched(r, shm_dir, elsewhere, before=before, says=f"really lives at {elsewhere}")
     assert "outside /dev/shm" in r.stderr
 
@@ -82,7 +81,7 @@ def test_a_shard_that_is_a_symlink_is_refused_untouched(shm_dir: Path, tmp_path:
             shutil.move(str(shm_dir / MOVED), target_dir / MOVED)
             (shm_dir / MOVED).symlink_to(target_dir / MOVED)
             before = _contents(shm_dir, target_dir)
-            r = _update(shm_dir)
+            r = update_consuming(shm_dir)
             _refused_untouched(r, shm_dir, target_dir, before=before, says="is a symbolic link")
             (shm_dir / MOVED).unlink()
             shutil.move(str(target_dir / MOVED), shm_dir / MOVED)
@@ -97,14 +96,14 @@ def test_a_folder_of_another_user_is_refused(shm_dir: Path) -> None:
         pytest.skip("needs root to hand a folder to another user")
     os.chown(shm_dir, 65534, 65534)
     before = _contents(shm_dir)
-    r = _update(shm_dir)
+    r = update_consuming(shm_dir)
     _refused_untouched(r, shm_dir, before=before, says="belongs to another user")
 
 
 @pytest.mark.no_cuda
 def test_a_plain_shm_checkpoint_still_passes_the_checks(shm_dir: Path) -> None:
     """The checks refuse nothing legitimate: here the job goes on to need a GPU."""
-    r = _update(shm_dir)
+    r = update_consuming(shm_dir)
     assert r.exit_code == 1 and "no CUDA device" in r.stderr
 
 
@@ -117,7 +116,7 @@ def test_end_to_end_the_file_behind_the_link_survives(shm_dir: Path, tmp_path: P
     before = _contents(shm_dir, elsewhere)
     with FakeServer(Behaviour()) as server:
         cmd = torchrun_cmd(
-            SCRIPT, "update", "--checkpoint-path", str(shm_dir), "--consume-shm-files",
+            CPU_PS_RANK, "update", "--checkpoint-path", str(shm_dir), "--consume-shm-files",
             "--inference-parallel-size", "1", "--endpoint", server.endpoint, "--timeout", "60",
             nproc=1,
         )  # fmt: skip

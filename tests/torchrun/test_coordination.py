@@ -10,27 +10,21 @@ from pathlib import Path
 
 import pytest
 from fake_server import free_master_port, run_torchrun, torchrun_job
+from locations import COORDINATION_RANK
 
-SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "coordination_rank.py")
-
-
-def _torchrun(scenario: str, nproc: int = 2, *args: str) -> subprocess.CompletedProcess[str]:
-    # (No wall-clock bound: each scenario shows by its messages which event ended it, and an
-    # unbounded wait would end at the watchdog's 60 s with a different message and code.)
-    return run_torchrun(SCRIPT, scenario, *args, nproc=nproc)
-
-
+# Each scenario shows by its messages which event ended it (no --timeout of ours: an unbounded
+# wait would end at the watchdog's 60 s with a different message and code).
 pytestmark = pytest.mark.slow
 
 
 def test_figures_are_collected_through_torchruns_store() -> None:
-    r = _torchrun("figures", nproc=3)
+    r = run_torchrun(COORDINATION_RANK, "figures", nproc=3)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [0, 1, 2]
 
 
 def test_a_failing_rank_ends_every_rank_with_its_message() -> None:
-    r = _torchrun("fail")
+    r = run_torchrun(COORDINATION_RANK, "fail")
     assert r.returncode != 0
     # rank 1 says what failed; rank 0, stuck "in NCCL", says the same and does not wait 10 min.
     assert "[rank 1] error: the server refused the update: HTTP 400: boom" in r.stderr
@@ -41,14 +35,14 @@ def test_a_failing_rank_ends_every_rank_with_its_message() -> None:
 
 
 def test_timeout_ends_every_rank_with_exit_4() -> None:
-    r = _torchrun("timeout")
+    r = run_torchrun(COORDINATION_RANK, "timeout")
     assert r.returncode != 0
     assert "timed out after 3s during the test stage" in r.stderr
     assert "exitcode  : 4" in r.stderr or "exitcode: 4" in r.stderr.replace("  ", " ")
 
 
 def test_a_rank_that_dies_silently_ends_the_job() -> None:
-    r = _torchrun("die")
+    r = run_torchrun(COORDINATION_RANK, "die")
     assert r.returncode != 0
     assert "exitcode  : 9" in r.stderr or "exitcode: 9" in r.stderr.replace("  ", " ")
     assert "timed out" not in r.stderr  # ended by the death, not by the 60 s deadline
@@ -67,7 +61,7 @@ def _node_copies(root: Path) -> tuple[Path, Path]:
 
 def test_nodes_that_see_different_checkpoints_are_stopped_with_exit_3(tmp_path: Path) -> None:
     same, other = _node_copies(tmp_path)
-    r = _torchrun("plan", 2, str(same), str(other))
+    r = run_torchrun(COORDINATION_RANK, "plan", str(same), str(other), nproc=2)
     assert r.returncode != 0
     assert "rank 1 (on " in r.stderr and "sees a different checkpoint" in r.stderr
     assert "exitcode  : 3" in r.stderr or "exitcode: 3" in r.stderr.replace("  ", " ")
@@ -76,7 +70,7 @@ def test_nodes_that_see_different_checkpoints_are_stopped_with_exit_3(tmp_path: 
 
 def test_nodes_that_see_the_same_checkpoint_go_on(tmp_path: Path) -> None:
     same, _ = _node_copies(tmp_path)
-    agree = _torchrun("plan", 2, str(same), str(same))
+    agree = run_torchrun(COORDINATION_RANK, "plan", str(same), str(same), nproc=2)
     assert agree.returncode == 0, agree.stderr
     assert "plans agree" in agree.stdout
 
@@ -87,7 +81,7 @@ def test_a_rank_dying_on_another_node_is_noticed_by_heartbeats() -> None:
     port = free_master_port()
 
     def node(rank: int) -> AbstractContextManager[subprocess.Popen[str]]:
-        return torchrun_job(SCRIPT, "die", nproc=1, nnodes=2, node_rank=rank, port=port)
+        return torchrun_job(COORDINATION_RANK, "die", nproc=1, nnodes=2, node_rank=rank, port=port)
 
     with node(0) as node0, node(1) as node1:
         _, err0 = node0.communicate(timeout=90)
@@ -98,7 +92,7 @@ def test_a_rank_dying_on_another_node_is_noticed_by_heartbeats() -> None:
 
 
 def test_barrier_waits_for_a_late_rank_without_starving_heartbeats() -> None:
-    r = _torchrun("barrier", 3)
+    r = run_torchrun(COORDINATION_RANK, "barrier", nproc=3)
     assert r.returncode == 0, r.stderr
     passed = sorted(line for line in r.stdout.splitlines() if "passed the barrier" in line)
     # Ranks 1 and 2 left the barrier only after rank 0 had arrived, late (an order of events
@@ -126,7 +120,7 @@ def test_a_signal_to_one_serving_rank_stops_them_all() -> None:
     anyone could have written it, and ends as interrupted (130), never with success."""
     import signal as signals
 
-    with torchrun_job(SCRIPT, "serve") as proc:
+    with torchrun_job(COORDINATION_RANK, "serve") as proc:
         pids = _serving_pids(proc)
         os.kill(pids[1], signals.SIGTERM)
         out, err = proc.communicate(timeout=60)
@@ -140,7 +134,7 @@ def test_a_signal_to_every_serving_rank_ends_them_with_success() -> None:
     it, and each ends on its own signal, even one that read another's stop first."""
     import signal as signals
 
-    with torchrun_job(SCRIPT, "serve") as proc:
+    with torchrun_job(COORDINATION_RANK, "serve") as proc:
         pids = _serving_pids(proc)
         for pid in pids.values():
             os.kill(pid, signals.SIGTERM)

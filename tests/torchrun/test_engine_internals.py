@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_factory import mixed_tensors, write_real_checkpoint
+from ckpt_factory import mixed_shards, mixed_tensors, write_real_checkpoint
 from fake_server import torchrun_cmd
 
 from ckptctl.checkpoint import plan_split, read_checkpoint
@@ -192,12 +192,7 @@ results.leave_group_to_exit(0)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    mixed = mixed_tensors(seed=9)
-    names = sorted(mixed)
-    return write_real_checkpoint(
-        tmp_path_factory.mktemp("ck"),
-        [{n: mixed[n] for n in names[::2]}, {n: mixed[n] for n in names[1::2]}],
-    )
+    return write_real_checkpoint(tmp_path_factory.mktemp("ck"), mixed_shards(seed=9))
 
 
 @pytest.mark.slow

@@ -14,10 +14,9 @@ from pathlib import Path
 
 from conftest import CPU_PS_RANK
 from fake_server import free_master_port, torchrun_job
+from locations import TINY
 
 from ckptctl.pipeline.coordination import read_abort, read_stop
-
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
 
 
 def test_an_abort_notice_is_always_a_failure_with_a_clean_line() -> None:

@@ -16,8 +16,8 @@ import pytest
 import torch
 from ckpt_factory import write_real_checkpoint
 from fake_server import Behaviour, FakeServer, run_torchrun
+from locations import CPU_PS_RANK
 
-SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "cpu_ps_rank.py")
 SHARDS = 400
 LIMIT = 256  # file descriptors: far fewer than the shards, plenty for torch and the rest
 
@@ -56,7 +56,7 @@ def test_a_torchrun_update_reads_every_shard_under_a_low_limit(
 ) -> None:
     with FakeServer(Behaviour()) as server:
         r = run_torchrun(
-            SCRIPT, "update", "--checkpoint-path", str(many_shards), "--register-mode", mode,
+            CPU_PS_RANK, "update", "--checkpoint-path", str(many_shards), "--register-mode", mode,
             "--inference-parallel-size", "1", "--endpoint", server.endpoint, "--timeout", "90",
             "--json",
             nproc=1, preexec_fn=_limited(),

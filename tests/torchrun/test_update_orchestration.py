@@ -14,19 +14,11 @@ from pathlib import Path
 
 import pytest
 from conftest import cpu_serve_job, wait_for_path
+from cpu_jobs import update_on_cpu
 from fake_server import Behaviour, FakeServer, run_torchrun, torchrun_cmd
-
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
-SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "cpu_ps_rank.py")
+from locations import CPU_PS_RANK, TINY
 
 pytestmark = pytest.mark.slow
-
-
-def _torchrun(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return run_torchrun(
-        SCRIPT, "update", "--checkpoint-path", str(TINY), "--timeout", "60", *args,
-        env={**os.environ, **env},
-    )  # fmt: skip
 
 
 def _updates(server: FakeServer) -> list[dict]:
@@ -35,7 +27,7 @@ def _updates(server: FakeServer) -> list[dict]:
 
 def test_one_tp2_server_gets_one_request_with_both_handles() -> None:
     with FakeServer(Behaviour()) as s:
-        r = _torchrun(
+        r = update_on_cpu(
             "--inference-parallel-size",
             "2",
             "--endpoint",
@@ -58,7 +50,7 @@ def test_one_tp2_server_gets_one_request_with_both_handles() -> None:
 
 def test_two_tp1_servers_each_get_their_own_rank() -> None:
     with FakeServer(Behaviour(profile="vllm")) as a, FakeServer(Behaviour(profile="vllm")) as b:
-        r = _torchrun(
+        r = update_on_cpu(
             "--inference-parallel-size",
             "1",
             "--engine",
@@ -76,7 +68,7 @@ def test_two_tp1_servers_each_get_their_own_rank() -> None:
 
 def test_a_refusal_ends_both_ranks_with_the_servers_message() -> None:
     with FakeServer(Behaviour(update_status=400, update_message="no room")) as s:
-        r = _torchrun("--inference-parallel-size", "2", "--endpoint", s.endpoint, "--json")
+        r = update_on_cpu("--inference-parallel-size", "2", "--endpoint", s.endpoint, "--json")
     assert r.returncode != 0
     assert "[rank 0] error:" in r.stderr and "refused the update: HTTP 400: no room" in r.stderr
     assert "[rank 1] error: rank 0 failed" in r.stderr
@@ -87,7 +79,7 @@ def test_a_refusal_ends_both_ranks_with_the_servers_message() -> None:
 def test_a_server_that_is_not_up_in_time_ends_both_ranks_with_exit_4(
     refused_endpoint: str,
 ) -> None:
-    r = _torchrun(
+    r = update_on_cpu(
         "--inference-parallel-size",
         "2",
         "--endpoint",
@@ -211,7 +203,7 @@ def test_direct_update_registers_every_tensor_and_gathers_from_the_plan(tmp_path
     log = str(tmp_path / "registered")
     with FakeServer(Behaviour()) as s:
         cmd = torchrun_cmd(
-            SCRIPT, "update", "--checkpoint-path", str(TINY), "--timeout", "60", "--json",
+            CPU_PS_RANK, "update", "--checkpoint-path", str(TINY), "--timeout", "60", "--json",
             "--inference-parallel-size", "2", "--endpoint", s.endpoint,
             "--register-mode", "direct", "--read-threads", "3",
         )  # fmt: skip
@@ -239,7 +231,7 @@ def test_no_rank_consumes_a_file_before_every_rank_has_checked_them_all() -> Non
     try:
         with FakeServer(Behaviour()) as s:
             r = run_torchrun(
-                SCRIPT, "update", "--checkpoint-path", str(shm), "--consume-shm-files",
+                CPU_PS_RANK, "update", "--checkpoint-path", str(shm), "--consume-shm-files",
                 "--inference-parallel-size", "2", "--endpoint", s.endpoint, "--timeout", "60",
                 "--json", env={**os.environ, "CPU_PS_SLOW_CHECK_RANK": "0"},
             )  # fmt: skip

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_jobs import update_on_cpu
 from fake_checker import HeldWeights
-from fake_server import Behaviour, FakeServer, torchrun_cmd
+from fake_server import Behaviour, FakeServer
+from locations import TINY
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
-SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "cpu_ps_rank.py")
 Q = "model.layers.0.self_attn.q_proj.weight"
 LM = "lm_head.weight"
 
@@ -28,21 +27,6 @@ def _receiving(profile: str, held: HeldWeights) -> FakeServer:
     return FakeServer(
         Behaviour(profile=profile, held=held, on_update=lambda _h, _d: held.receive(TINY))
     )
-
-
-def _update(*args: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
-    cmd = torchrun_cmd(
-        SCRIPT,
-        "update",
-        "--checkpoint-path",
-        str(TINY),
-        "--timeout",
-        "60",
-        "--json",
-        *args,
-        nproc=nproc,
-    )
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=100)  # (< pytest's 120)
 
 
 def _result(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -60,10 +44,14 @@ def _posts(server: FakeServer, path: str) -> list[dict[str, Any]]:
 def test_compare_checksum_proves_every_tensor_then_names_a_dropped_one() -> None:
     good, bad = HeldWeights(tp_size=2), HeldWeights(tp_size=2, drop={Q})
     with _receiving("sglang-pr17009", good) as s:
-        ok = _update("--inference-parallel-size", "2", "--endpoint", s.endpoint, "--verify")
+        ok = update_on_cpu(
+            "--json", "--inference-parallel-size", "2", "--endpoint", s.endpoint, "--verify"
+        )
         sent = _posts(s, "/weights_checker")[-1]
     with _receiving("sglang-pr17009", bad) as s:
-        failed = _update("--inference-parallel-size", "2", "--endpoint", s.endpoint, "--verify")
+        failed = update_on_cpu(
+            "--json", "--inference-parallel-size", "2", "--endpoint", s.endpoint, "--verify"
+        )
     assert ok.returncode == 0, ok.stderr
     doc = _result(ok)
     assert doc["verified"] == "checksum"
@@ -80,12 +68,12 @@ def test_two_servers_agree_per_engine_and_a_corrupting_one_is_named() -> None:
     """Two TP1 servers fed by one job (released SGLang: no compare_checksum)."""
     helds = [HeldWeights(), HeldWeights()]
     with _receiving("sglang-0.5.23", helds[0]) as a, _receiving("sglang-0.5.23", helds[1]) as b:
-        ok = _update(
+        ok = update_on_cpu("--json",
             "--inference-parallel-size", "1", "--endpoint", a.endpoint, "--endpoint", b.endpoint,
             "--verify",
         )  # fmt: skip
         helds[1].corrupt = {LM}
-        failed = _update(
+        failed = update_on_cpu("--json",
             "--inference-parallel-size", "1", "--endpoint", a.endpoint, "--endpoint", b.endpoint,
             "--verify",
         )  # fmt: skip
@@ -109,7 +97,9 @@ def test_a_server_that_cannot_prove_it_ends_with_exit_3_before_the_push(
     profile: str, why: str
 ) -> None:
     with _receiving(profile, HeldWeights(tp_size=2)) as s:
-        r = _update("--inference-parallel-size", "2", "--endpoint", s.endpoint, "--verify")
+        r = update_on_cpu(
+            "--json", "--inference-parallel-size", "2", "--endpoint", s.endpoint, "--verify"
+        )
         updates = _posts(s, "/update_weights_from_ipc")
     assert r.returncode != 0 and _result(r)["exit_code"] == 3
     assert why in r.stderr and "nothing was pushed" in r.stderr
@@ -117,7 +107,7 @@ def test_a_server_that_cannot_prove_it_ends_with_exit_3_before_the_push(
 
 
 def test_the_round_trip_needs_its_confirmation() -> None:
-    unconfirmed = _update("--verify-round-trip", nproc=1)
+    unconfirmed = update_on_cpu("--json", "--verify-round-trip", nproc=1)
     assert _result(unconfirmed)["exit_code"] == 2  # (torchrun itself exits 1)
     assert "--reset-served-weights" in unconfirmed.stderr
 
@@ -127,7 +117,9 @@ def test_the_round_trip_passes_then_catches_a_dropped_tensor() -> None:
     flags = ("--verify-round-trip", "--reset-served-weights")
     good = HeldWeights.started_from(TINY, tp_size=2)
     with _receiving("sglang-0.5.23", good) as s:
-        ok = _update("--inference-parallel-size", "2", "--endpoint", s.endpoint, *flags)
+        ok = update_on_cpu(
+            "--json", "--inference-parallel-size", "2", "--endpoint", s.endpoint, *flags
+        )
         actions = [p["action"] for p in _posts(s, "/weights_checker")]
     assert ok.returncode == 0, ok.stderr
     assert _result(ok)["verified"] == "round-trip"
@@ -136,7 +128,9 @@ def test_the_round_trip_passes_then_catches_a_dropped_tensor() -> None:
     bad = HeldWeights.started_from(TINY, tp_size=2)
     bad.drop = {Q}
     with _receiving("sglang-0.5.23", bad) as s:
-        failed = _update("--inference-parallel-size", "2", "--endpoint", s.endpoint, *flags)
+        failed = update_on_cpu(
+            "--json", "--inference-parallel-size", "2", "--endpoint", s.endpoint, *flags
+        )
     assert failed.returncode != 0 and _result(failed)["exit_code"] == 1
     assert f"1 parameter(s) differ: {Q}" in failed.stderr
 
@@ -145,7 +139,9 @@ def test_the_round_trip_refuses_a_server_that_would_lose_its_rope_caches() -> No
     held = HeldWeights.started_from(TINY)
     flags = ("--verify-round-trip", "--reset-served-weights")
     with _receiving("sglang-0.5.9", held) as s:
-        r = _update("--inference-parallel-size", "1", "--endpoint", s.endpoint, *flags, nproc=1)
+        r = update_on_cpu(
+            "--json", "--inference-parallel-size", "1", "--endpoint", s.endpoint, *flags, nproc=1
+        )
         actions = [p["action"] for p in _posts(s, "/weights_checker")]
         updates = _posts(s, "/update_weights_from_ipc")
     assert _result(r)["exit_code"] == 3, r.stderr

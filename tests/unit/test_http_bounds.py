@@ -27,13 +27,12 @@ import httpx
 import pytest
 from conftest import run_script, wait_until
 from fake_server import Behaviour, FakeServer
+from locations import CPU_PS_RANK, TINY
 
 from ckptctl.bounded_http import MAX_RESPONSE_BYTES, ResponseTooLarge, bounded_client, deadline
 from ckptctl.readiness import read_weight_version
 from ckptctl.server import CONTRACTS, ServerAddress, make_client, push_update
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
-CPU_PS_RANK = str(Path(__file__).resolve().parents[1] / "support" / "cpu_ps_rank.py")
 GUARD_S = 60  # what used to run for ever must end well inside this
 TRICKLES = ["trickle_headers", "trickle_body"]
 FLOODS = ["endless_body", "huge_length"]

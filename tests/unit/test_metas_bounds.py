@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_engine.data_types import ParameterMeta
+from cli_run import invoke
 from conftest import assert_failure_document
-from metas_samples import invoke, owner, rewrite, small_metas, write_small_metas
+from metas_samples import owner, rewrite, small_metas, write_small_metas
 
 from ckptctl.errors import InvalidInput
 from ckptctl.metas import read_metas_file

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_engine.data_types import DataToGather, ParameterMeta
+from cli_run import invoke, run_script
 from conftest import assert_failure_document
-from metas_samples import every_dtype_metas, invoke, run_script, small_metas
+from metas_samples import every_dtype_metas, small_metas
 
 from ckptctl.errors import InvalidInput
 from ckptctl.metas import read_metas_file

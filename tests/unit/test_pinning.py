@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_factory import mixed_tensors, write_real_checkpoint
+from ckpt_factory import mixed_shards, write_real_checkpoint
 from safetensors.torch import load_file
 
 from ckptctl.checkpoint import plan_split, read_checkpoint
@@ -19,13 +19,9 @@ from ckptctl.pipeline import pinning
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    mixed = mixed_tensors(seed=11)
-    names = sorted(mixed)
+    first, second = mixed_shards(seed=11)
     big = {f"big.{i}": torch.randn(300, 1000).to(torch.bfloat16) for i in range(3)}
-    return write_real_checkpoint(
-        tmp_path_factory.mktemp("ck"),
-        [{n: mixed[n] for n in names[::2]} | big, {n: mixed[n] for n in names[1::2]}],
-    )
+    return write_real_checkpoint(tmp_path_factory.mktemp("ck"), [first | big, second])
 
 
 def test_layout_is_aligned_contiguous_and_in_file_order(ckpt: Path) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from conftest import wait_until
+from cpu_jobs import UPDATE_ON_CPU
 from fake_server import Behaviour, FakeServer, torchrun_cmd
 from pty_run import run_on_pty
 from rich.console import Console
@@ -31,7 +32,6 @@ from ckptctl.progress import ByteCounter, Reporter, RichReporter, format_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-checkpoint"
-CPU_RANK = str(Path(__file__).resolve().parents[1] / "support" / "cpu_ps_rank.py")
 
 
 # -- the reporter ---------------------------------------------------------------------------------
@@ -420,21 +420,23 @@ def test_the_p2p_notice_shows_only_when_asked_for(capfd: pytest.CaptureFixture[s
 # -- a real 2-rank job on a terminal ----------------------------------------------------------
 
 
-def _update(server: FakeServer, *extra: str) -> list[str]:
-    """A 2-rank `update` on CPU (cpu_ps_rank.py stands in only checkpoint-engine's PS)."""
-    return torchrun_cmd(
-        CPU_RANK, "update", "--checkpoint-path", str(TINY), "--inference-parallel-size", "2",
-        "--endpoint", server.endpoint, "--timeout", "60", *extra,
-    )  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["engine", "direct"])
 def test_two_ranks_on_one_terminal(mode: str) -> None:
     """Rank 1 keeps quiet on the terminal it shares with rank 0; rank 0 draws; the summary on
     stdout (a pipe) fits 80 columns."""
     with FakeServer(Behaviour()) as server:
-        code, out, err = run_on_pty(_update(server, "--register-mode", mode))
+        code, out, err = run_on_pty(
+            torchrun_cmd(
+                *UPDATE_ON_CPU,
+                "--inference-parallel-size",
+                "2",
+                "--endpoint",
+                server.endpoint,
+                "--register-mode",
+                mode,
+            )
+        )
     assert code == 0, err
     assert "[rank 1]" not in err  # (its lines tore the live view: "...0:00:00[rank 1] split:")
     # The stages are named as in the table below ("wait server", not "wait_server").
@@ -461,7 +463,14 @@ def test_two_ranks_on_one_terminal(mode: str) -> None:
 def test_the_update_summary_counts_tensors_as_tensor_count() -> None:
     with FakeServer(Behaviour()) as server:
         r = subprocess.run(
-            _update(server, "--json"),
+            torchrun_cmd(
+                *UPDATE_ON_CPU,
+                "--inference-parallel-size",
+                "2",
+                "--endpoint",
+                server.endpoint,
+                "--json",
+            ),
             capture_output=True,
             text=True,
             timeout=120,

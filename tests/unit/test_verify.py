@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import invoke
 from fake_checker import ROPE_BUFFER, HeldWeights, read_checkpoint
 from fake_server import Behaviour, FakeServer
+from locations import TINY
 
 from ckptctl.errors import DeadlineExceeded, InvalidInput, OperationFailed
 from ckptctl.server import ServerAddress
@@ -28,7 +28,6 @@ from ckptctl.verify import (
     sha256_tensors,
 )
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-checkpoint"
 Q = "model.layers.0.self_attn.q_proj.weight"
 
 
