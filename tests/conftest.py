@@ -93,9 +93,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if _cuda_available():  # these check what a machine without CUDA says
         skip_here = pytest.mark.skip(reason="expects a machine without CUDA (no_cuda)")
         for item in items:
-            if "no_cuda" in item.keywords:
+            if item.get_closest_marker("no_cuda"):
                 item.add_marker(skip_here)
-    gpu = [item for item in items if "gpu" in item.keywords]
+    # (By marker, not keyword: every test under tests/gpu/ has the keyword "gpu", its folder.)
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
     for item in gpu:
         item.add_marker(pytest.mark.xdist_group("gpu"))
     if gpu and not _cuda_available():
