@@ -30,11 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
+from _support.torchrun_launch import free_port, torchrun_cmd
 
-from fake_server import free_port, torchrun_cmd  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 GiB = 1 << 30
 
@@ -59,9 +57,9 @@ def write_checkpoint(
     """Write shards of random bytes (made on the GPU when there is one: fast) with real headers
     and an index.json; (bytes, tensors). `specs` (model_shapes' (name, dtype, shape)) stand in
     for `model`'s when given."""
-    import model_shapes
     import torch
-    from ckpt_factory import header_bytes, nbytes, shard, shard_names, write_index
+    from _support import model_shapes
+    from _support.ckpt_factory import header_bytes, nbytes, shard, shard_names, write_index
 
     specs_of, shard_bytes = MODELS.get(model, ("", 4 * GiB))
     if specs is None:

@@ -25,21 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
 
 GiB = 1 << 30
 
 
 def model_specs(model: str, layers: int | None = None) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of `model`; DeepSeek-V3 cut to its first `layers` layers."""
-    import model_shapes
+    from _support import model_shapes
 
     if model == "qwen3-8b":
         return list(model_shapes.qwen3_8b())
@@ -57,7 +54,7 @@ def model_specs(model: str, layers: int | None = None) -> list[tuple[str, str, t
 def largest_share(specs: list[Any], world: int) -> list[Any]:
     """The biggest of `world` byte-balanced shares (largest tensor first to the emptiest rank,
     close to `--split tensors`)."""
-    from ckpt_factory import nbytes
+    from _support.ckpt_factory import nbytes
 
     shares: list[list[Any]] = [[] for _ in range(world)]
     sizes = [0] * world
@@ -86,7 +83,7 @@ def bench_hash(
     import hashlib
 
     import numpy as np
-    from ckpt_factory import nbytes
+    from _support.ckpt_factory import nbytes
 
     from ckptctl.verify import sha256_tensors
 

@@ -1,8 +1,9 @@
 """Shared fixtures: real fake servers, and running the CLI in-process or as the installed script.
 
-The helper modules (tests/support: fake_server, ckpt_factory, cpu_ps_rank, ...) are imported by
-their own names, in the tests and in the scripts the tests start: their folder goes on sys.path
-here and on PYTHONPATH for every process the tests start."""
+The helper modules (tests/support: fake_server, cpu_ps_rank, ...; bench/_support, shared with the
+benchmarks: ckpt_factory, model_shapes, torchrun_launch) are imported by their own names, in the
+tests and in the scripts the tests start: their folders go on sys.path here and on PYTHONPATH for
+every process the tests start."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-HELPER_DIRS = [str(Path(__file__).resolve().parent / "support")]
+_ROOT = Path(__file__).resolve().parents[1]
+HELPER_DIRS = [str(_ROOT / "tests" / "support"), str(_ROOT / "bench" / "_support")]
 sys.path[:0] = [d for d in HELPER_DIRS if d not in sys.path]
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [*HELPER_DIRS, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 from conftest import invoke, run_script
-from fake_server import Behaviour, FakeServer, torchrun_cmd
+from fake_server import Behaviour, FakeServer
 from locations import CPU_PS_RANK, TINY
+from torchrun_launch import torchrun_cmd
 
 import ckptctl.cli.wait_ready as wait_ready_cli
 from ckptctl.server import MESSAGE_CHARS, ServerAddress, UpdateRefused, push_update

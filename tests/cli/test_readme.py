@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_script
-from fake_server import free_master_port
+from torchrun_launch import free_master_port
 
 from ckptctl.defaults import DEFAULT_ENDPOINT
 

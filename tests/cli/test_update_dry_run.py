@@ -12,8 +12,8 @@ import pytest
 from ckpt_factory import MALFORMED, write_sparse_checkpoint
 from cli_run import ckptctl_script, invoke, run_script
 from conftest import assert_failure_document
-from fake_server import free_master_port
 from model_shapes import qwen3_8b
+from torchrun_launch import free_master_port
 
 from ckptctl.checkpoint import plan_split, read_checkpoint
 

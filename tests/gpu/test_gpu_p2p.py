@@ -34,11 +34,11 @@ from typing import Any
 import pytest
 from ckpt_factory import mixed_tensors, write_real_checkpoint
 from conftest import run_script
-from fake_server import torchrun_cmd
 from gpu_jobs import RESULTS, json_summary, record
 from gpu_receiver import ReceiverConfig, ReceiverServer, read_headers
 from locations import P2P_RANK
 from p2p_rank import P2P_TCP_ENV
+from torchrun_launch import torchrun_cmd
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_server import free_master_port
 from gpu_jobs import gpu_count
 from gpu_receiver import ReceiverConfig, ReceiverServer
 from gpu_smoke_ps import write_checkpoint
+from torchrun_launch import free_master_port
 
 pytestmark = [pytest.mark.gpu]
 HERE = Path(__file__).resolve().parents[1] / "support"

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from ckpt_factory import mixed_shards, mixed_tensors, write_real_checkpoint
-from fake_server import free_master_port, free_port
 from gpu_jobs import (
     assert_bit_exact,
     big_tensors,
@@ -27,6 +26,7 @@ from gpu_jobs import (
     torchrun_update,
 )
 from gpu_receiver import ReceiverConfig, ReceiverServer
+from torchrun_launch import free_master_port, free_port
 
 pytestmark = [pytest.mark.gpu]
 

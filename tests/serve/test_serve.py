@@ -129,7 +129,7 @@ def test_commands_written_into_torchruns_store_change_nothing(short_tmp: Path) -
     """Issue 14 item 1: a process that writes into the job's store exactly what a push and a
     stop wrote there is ignored: commands come only from the control socket, over the job's
     own gloo group. The job runs no forged push and keeps serving."""
-    from fake_server import free_master_port
+    from torchrun_launch import free_master_port
 
     sock, log, port = str(short_tmp / "serve.sock"), short_tmp / "ran", free_master_port()
     with _job(sock, port=port, SERVE_RANK_LOG=str(log)) as job:
@@ -241,7 +241,7 @@ def test_on_two_nodes_the_second_nodes_socket_takes_status_and_stop_only(
     answers status with its own view (every rank keeps the results), and takes a stop."""
     import socket as socketlib
 
-    from fake_server import free_master_port
+    from torchrun_launch import free_master_port
 
     port = free_master_port()
     socks = [str(short_tmp / "node0.sock"), str(short_tmp / "node1.sock")]

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 from conftest import CPU_PS_RANK, run_script, wait_until
-from fake_server import Behaviour, FakeServer, torchrun_cmd
+from fake_server import Behaviour, FakeServer
 from locations import SERVE_RANK, TINY
+from torchrun_launch import torchrun_cmd
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 from conftest import cpu_serve_job, run_script, wait_for_path
-from fake_server import Behaviour, FakeServer, free_master_port, torchrun_cmd
+from fake_server import Behaviour, FakeServer
 from locations import CPU_PS_RANK, TINY
+from torchrun_launch import free_master_port, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 

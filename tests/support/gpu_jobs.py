@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_server import free_master_port, torchrun_cmd
 from gpu_receiver import ReceiverServer
+from torchrun_launch import free_master_port, torchrun_cmd
 
 RESULTS = os.environ.get("CKPTCTL_GPU_RESULTS")
 

@@ -9,8 +9,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
-from fake_server import free_master_port, run_torchrun, torchrun_job
+from fake_server import run_torchrun, torchrun_job
 from locations import COORDINATION_RANK
+from torchrun_launch import free_master_port
 
 # Each scenario shows by its messages which event ended it (no --timeout of ours: an unbounded
 # wait would end at the watchdog's 60 s with a different message and code).

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_factory import mixed_shards, mixed_tensors, write_real_checkpoint
-from fake_server import torchrun_cmd
+from torchrun_launch import torchrun_cmd
 
 from ckptctl.checkpoint import plan_split, read_checkpoint
 from ckptctl.checkpoint.loader import torch_layout

@@ -13,8 +13,9 @@ import textwrap
 from pathlib import Path
 
 from conftest import CPU_PS_RANK
-from fake_server import free_master_port, torchrun_job
+from fake_server import torchrun_job
 from locations import TINY
+from torchrun_launch import free_master_port
 
 from ckptctl.pipeline.coordination import read_abort, read_stop
 

@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 from conftest import wait_until
 from cpu_jobs import UPDATE_ON_CPU
-from fake_server import Behaviour, FakeServer, torchrun_cmd
+from fake_server import Behaviour, FakeServer
 from pty_run import run_on_pty
 from rich.console import Console
+from torchrun_launch import torchrun_cmd
 
 from ckptctl.launch import LaunchInfo
 from ckptctl.pipeline.node_progress import NodeProgress, parse
