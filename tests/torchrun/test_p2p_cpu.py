@@ -228,7 +228,8 @@ def _mooncake_loads() -> bool:
 
 
 needs_mooncake = pytest.mark.skipif(
-    not _mooncake_loads(), reason="mooncake-transfer-engine does not load here (README-gpu.md)"
+    not _mooncake_loads(),
+    reason="mooncake-transfer-engine does not load here (tests/gpu/README.md)",
 )
 
 
