@@ -157,8 +157,6 @@ def main() -> None:
         rank_main(str(ckpt), args.mode, args.rank)
         return
 
-    sys.path.insert(0, str(REPO / "bench"))
-    sys.path.insert(0, str(REPO / "tests"))
     from bench_update import write_checkpoint
 
     if not any(ckpt.glob("*.safetensors")):

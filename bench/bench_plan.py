@@ -23,12 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _support.ckpt_factory import write_sparse_checkpoint
+from _support.model_shapes import deepseek_v3
 
-from ckpt_factory import write_sparse_checkpoint  # noqa: E402
-from model_shapes import deepseek_v3  # noqa: E402
-
-from ckptctl.checkpoint import load_rank_tensors, plan_split, read_checkpoint  # noqa: E402
+from ckptctl.checkpoint import load_rank_tensors, plan_split, read_checkpoint
 
 
 def timed(fn, repeat: int) -> tuple[dict[str, float], object]:  # type: ignore[no-untyped-def]

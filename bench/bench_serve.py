@@ -19,16 +19,12 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO / "tests"))
-
-from bench_update import (  # noqa: E402
+from _support.torchrun_launch import torchrun_cmd
+from bench_update import (
     MODELS,
     all_received,
     report,
@@ -36,7 +32,8 @@ from bench_update import (  # noqa: E402
     write_checkpoint,
     write_results,
 )
-from fake_server import torchrun_cmd  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def ckptctl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:

@@ -41,12 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO / "tests"))
+from _support.ckpt_factory import drop_cache
+from bench_plan import timed
 
-from bench_plan import timed  # noqa: E402
-from ckpt_factory import drop_cache  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 CHUNK = 64 << 20
 

@@ -6,7 +6,7 @@
     python bench/bench_update.py --model qwen3-4b --tp 1 --out /tmp/x   # quick, 1 GPU
 
 It writes a synthetic checkpoint with the model's real tensor names and shapes (HF layout:
-shards + index.json, random bytes), starts the test receiver (tests/gpu_receiver.py: one
+shards + index.json, random bytes), starts the test receiver (tests/support/gpu_receiver.py: one
 process per GPU loading through checkpoint_engine.worker.update_weights_from_ipc and checking
 every tensor bit for bit), runs the real CLI under torchrun, and measures in the same run:
 pinned and pageable host->device copies, the page cache's read limit with 1..16 threads (each
@@ -31,12 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
+from _support.torchrun_launch import free_port, torchrun_cmd
+from result_files import RESULTS, write_results
 
-from fake_server import free_port, torchrun_cmd  # noqa: E402
-from result_files import RESULTS, write_results  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 GiB = 1 << 30
 
@@ -61,9 +59,9 @@ def write_checkpoint(
     """Write shards of random bytes (made on the GPU when there is one: fast) with real headers
     and an index.json; (bytes, tensors). `specs` (model_shapes' (name, dtype, shape)) stand in
     for `model`'s when given."""
-    import model_shapes
     import torch
-    from ckpt_factory import header_bytes, nbytes, shard, shard_names, write_index
+    from _support import model_shapes
+    from _support.ckpt_factory import header_bytes, nbytes, shard, shard_names, write_index
 
     specs_of, shard_bytes = MODELS.get(model, ("", 4 * GiB))
     if specs is None:
@@ -165,7 +163,7 @@ def start_receiver(
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(REPO / "tests" / "gpu_receiver.py"),
+            str(REPO / "tests" / "support" / "gpu_receiver.py"),
             "--checkpoint-path",
             str(ckpt),
             "--devices",

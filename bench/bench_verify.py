@@ -13,7 +13,7 @@ SHA-256 rate (times the threads: the ceiling), and a memcpy of the same bytes.
 
 gpu: a synthetic checkpoint with the model's real names and shapes (DeepSeek-V3: its first
 --layers layers, embeddings and head: the full 680 GB does not fit on one node), the test
-receiver (tests/gpu_receiver.py), and runs of `torchrun ... ckptctl update`, alternating:
+receiver (tests/support/gpu_receiver.py), and runs of `torchrun ... ckptctl update`, alternating:
 a plain update, then `--verify` against a receiver that offers compare_checksum (profile
 sglang-pr17009: every rank hashes its share while the update runs, the leader sends every
 SHA-256), then `--verify-round-trip --reset-served-weights` against an SGLang 0.5.23 one. The
@@ -28,21 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
 
 GiB = 1 << 30
 
 
 def model_specs(model: str, layers: int | None = None) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of `model`; DeepSeek-V3 cut to its first `layers` layers."""
-    import model_shapes
+    from _support import model_shapes
 
     if model == "qwen3-8b":
         return list(model_shapes.qwen3_8b())
@@ -60,7 +57,7 @@ def model_specs(model: str, layers: int | None = None) -> list[tuple[str, str, t
 def largest_share(specs: list[Any], world: int) -> list[Any]:
     """The biggest of `world` byte-balanced shares (largest tensor first to the emptiest rank,
     close to `--split tensors`)."""
-    from ckpt_factory import nbytes
+    from _support.ckpt_factory import nbytes
 
     shares: list[list[Any]] = [[] for _ in range(world)]
     sizes = [0] * world
@@ -89,7 +86,7 @@ def bench_hash(
     import hashlib
 
     import numpy as np
-    from ckpt_factory import nbytes
+    from _support.ckpt_factory import nbytes
 
     from ckptctl.verify import sha256_tensors
 

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # What a GPU session checks, in device calls of under 10 minutes each (2x H200):
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh suite "$OUT"    # every GPU test, 4 at a time
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh serial "$OUT"   # the gpu_serial ones, alone
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh tests-a "$OUT"    # update paths + metas, ~5.5 min
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh tests-b "$OUT"    # failures, serve, receiver, ~5.5 min
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench-8b "$OUT"   # Qwen3-8B update + serve pushes
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench-32b "$OUT"  # Qwen3-32B update (65.5 GB)
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh bench-dsv3 "$OUT" # DeepSeek-V3 layout, 90k tensors
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh p2p "$OUT"        # join + p2p over mooncake TCP, ~4 min
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh verify "$OUT"     # --verify: tests/test_gpu_verify.py
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh verify-bench "$OUT"       # Qwen3-8B TP2
-#     . tests/gpu_kit.sh && bash bench/gpu_session.sh verify-bench-dsv3 "$OUT"  # DeepSeek-V3, 5 layers
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh suite "$OUT"    # every GPU test, 4 at a time
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh serial "$OUT"   # the gpu_serial ones, alone
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh tests-a "$OUT"    # update paths + metas, ~5.5 min
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh tests-b "$OUT"    # failures, serve, receiver, ~5.5 min
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh bench-8b "$OUT"   # Qwen3-8B update + serve pushes
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh bench-32b "$OUT"  # Qwen3-32B update (65.5 GB)
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh bench-dsv3 "$OUT" # DeepSeek-V3 layout, 90k tensors
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh p2p "$OUT"        # join + p2p over mooncake TCP, ~4 min
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh verify "$OUT"     # --verify: tests/gpu/test_gpu_verify.py
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh verify-bench "$OUT"       # Qwen3-8B TP2
+#     . tests/support/gpu_kit.sh && bash bench/gpu_session.sh verify-bench-dsv3 "$OUT"  # DeepSeek-V3, 5 layers
 # The whole suite no longer fits one call (it ran past 570 s on 2026-11-29), hence a and b; the
 # benchmarks of issue 16 are three calls, each deleting its checkpoints when done (the machine
 # has 128 GB of disk: one 65 GB checkpoint at a time). `bench` is bench-8b.
@@ -23,10 +23,10 @@
 #            update benchmark as for 8B, then every CPU-side stage on this machine's CPUs
 #            (bench/bench_stages.py: split, read against the page cache's and disk's limits,
 #            metas, checkpoint-engine's per-tensor update work, imports, the early read).
-# p2p:       issue 18 (tests/test_gpu_p2p.py): save-metas holding, join pulling over p2p, update
+# p2p:       issue 18 (tests/gpu/test_gpu_p2p.py): save-metas holding, join pulling over p2p, update
 #            --update-method p2p|all, a holder gone or killed mid-transfer; on mooncake's TCP
-#            transport (the machines have no RDMA NIC). Needs .whl/p2p/ (tests/README-gpu.md,
-#            "p2p"); tests/p2p_kit.sh sets it up and prints "p2p_kit: BLOCKED: ..." (exit 3) if
+#            transport (the machines have no RDMA NIC). Needs .whl/p2p/ (tests/gpu/README.md,
+#            "p2p"); tests/support/p2p_kit.sh sets it up and prints "p2p_kit: BLOCKED: ..." (exit 3) if
 #            it cannot.
 # Results land in the folder given (default bench/results/) under their one current name, each
 # with the commit, date and machine inside: update-<model>-tp2.{json,md},
@@ -50,7 +50,7 @@ case "$what" in
 suite)
     # Every GPU test but p2p and the gpu_serial ones, four at a time (2 GPUs, 32 cores: the
     # tests' servers and ranks fit beside each other), in about half the time of tests-a + b.
-    timeout 560 python3 -m pytest -m "gpu and not gpu_serial" tests/ --ignore tests/test_gpu_p2p.py \
+    timeout 560 python3 -m pytest -m "gpu and not gpu_serial" tests/ --ignore tests/gpu/test_gpu_p2p.py \
         -n 4 -p no:cacheprovider --timeout 300 -rf --tb=short >"$logs/pytest-suite.log" 2>&1
     tail -4 "$logs/pytest-suite.log"
     ;;
@@ -63,11 +63,11 @@ serial)
 tests-a | tests-b)
     if [ "$what" = tests-a ]; then select="$happy"; else select="not ($happy)"; fi
     timeout 570 python3 -m pytest -m gpu tests/ -k "$select" -p no:cacheprovider --timeout 120 \
-        --ignore tests/test_gpu_verify.py -rf --tb=short >"$logs/pytest-$what.log" 2>&1
+        --ignore tests/gpu/test_gpu_verify.py -rf --tb=short >"$logs/pytest-$what.log" 2>&1
     tail -3 "$logs/pytest-$what.log"
     ;;
 verify)
-    timeout 570 python3 -m pytest -m gpu tests/test_gpu_verify.py -p no:cacheprovider \
+    timeout 570 python3 -m pytest -m gpu tests/gpu/test_gpu_verify.py -p no:cacheprovider \
         --timeout 240 -rf --tb=short >"$logs/pytest-verify.log" 2>&1
     tail -3 "$logs/pytest-verify.log"
     ;;
@@ -79,7 +79,7 @@ verify-bench | verify-bench-dsv3)
     tail -14 "$logs/$what.log"
     ;;
 bench | bench-8b)
-    # The seed script side by side when a copy is carried in .seed/ (tests/README-gpu.md).
+    # The seed script side by side when a copy is carried in .seed/ (tests/gpu/README.md).
     # Where the bare floor goes: one warm `import torch`, its slowest modules.
     { time python3 -X importtime -c "import torch" 2>"$logs/importtime.log"; } 2>"$logs/time.txt"
     {
@@ -114,13 +114,13 @@ bench-dsv3)
     rm -rf /tmp/ckptctl-bench/deepseek-v3-small*
     ;;
 p2p)
-    . tests/p2p_kit.sh >"$logs/p2p-kit.log" 2>&1
+    . tests/support/p2p_kit.sh >"$logs/p2p-kit.log" 2>&1
     kit=$?
     cat "$logs/p2p-kit.log"
     [ "$kit" -eq 0 ] || exit 3
     printf '{"test": "p2p: mooncake TCP probe, host memory", "probe": %s}\n' "$P2P_PROBE" \
         >>"$logs/gpu_tests.jsonl"
-    timeout 450 python3 -m pytest -m gpu tests/test_gpu_p2p.py -p no:cacheprovider --timeout 200 \
+    timeout 450 python3 -m pytest -m gpu tests/gpu/test_gpu_p2p.py -p no:cacheprovider --timeout 200 \
         -rfs --tb=short >"$logs/pytest-p2p.log" 2>&1
     tail -15 "$logs/pytest-p2p.log"
     ;;

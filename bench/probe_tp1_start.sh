@@ -2,14 +2,14 @@
 # Where a one-process (TP1) `ckptctl update`'s "start" stage goes, on a GPU node: a TP1
 # stand-in receiver on GPU 0, then one update in each register mode, with every thread's
 # stack sampled every 0.1 s (bench/stack_sampler). From the repository root:
-#     . tests/gpu_kit.sh || exit 1; bash bench/probe_tp1_start.sh OUTDIR
+#     . tests/support/gpu_kit.sh || exit 1; bash bench/probe_tp1_start.sh OUTDIR
 # Findings: bench/results/start-stage-tp1.md.
 set -uo pipefail
 out=${1:?usage: probe_tp1_start.sh OUTDIR}
 mkdir -p "$out"
 ck=/tmp/smoke-ckpt
-python3 tests/gpu_smoke_ps.py write "$ck" >/dev/null || exit 1
-python3 tests/gpu_receiver.py --checkpoint-path "$ck" --devices 0 --port 31001 >"$out/rx.log" 2>&1 &
+python3 tests/support/gpu_smoke_ps.py write "$ck" >/dev/null || exit 1
+python3 tests/support/gpu_receiver.py --checkpoint-path "$ck" --devices 0 --port 31001 >"$out/rx.log" 2>&1 &
 rx=$!
 for _ in $(seq 1 120); do grep -q '^READY ' "$out/rx.log" && break; sleep 0.5; done
 for mode in engine direct; do

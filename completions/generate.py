@@ -1,7 +1,7 @@
 """Regenerate the shell completion scripts in this folder from the CLI (`make completions`).
 
 Typer writes them (`_CKPTCTL_COMPLETE=source_<shell>`, as `ckptctl --show-completion SHELL`
-does); the scripts call `ckptctl` back to complete commands, flags and choices. `tests/test_cli_basics.py` fails when they are stale.
+does); the scripts call `ckptctl` back to complete commands, flags and choices. `tests/cli/test_cli_basics.py` fails when they are stale.
 
     python completions/generate.py            # rewrite ckptctl.bash, ckptctl.zsh, ckptctl.fish
     python completions/generate.py --print bash

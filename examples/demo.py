@@ -1,7 +1,7 @@
 """`make demo`: the real thing where it can run, the dry run where it cannot.
 
 On a machine whose torch sees a CUDA GPU (and has checkpoint-engine), this starts the bundled
-stand-in inference server (tests/gpu_receiver.py: an SGLang-like HTTP server whose worker per
+stand-in inference server (tests/support/gpu_receiver.py: an SGLang-like HTTP server whose worker per
 GPU loads the weights through checkpoint-engine's own worker call, as SGLang does, and checks
 every tensor bit for bit), runs a real
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT = ROOT / "examples" / "tiny-checkpoint"
-RECEIVER = ROOT / "tests" / "gpu_receiver.py"
+RECEIVER = ROOT / "tests" / "support" / "gpu_receiver.py"
 READY_TIMEOUT_S = 180.0  # the receiver's workers start CUDA and allocate the parameters
 UPDATE_TIMEOUT_S = 120
 

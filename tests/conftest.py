@@ -1,4 +1,9 @@
-"""Shared fixtures: real fake servers, and running the CLI in-process or as the installed script."""
+"""Shared fixtures: real fake servers, and running the CLI in-process or as the installed script.
+
+The helper modules (tests/support: fake_server, cpu_ps_rank, ...; bench/_support, shared with the
+benchmarks: ckpt_factory, model_shapes, torchrun_launch) are imported by their own names, in the
+tests and in the scripts the tests start: their folders go on sys.path here and on PYTHONPATH for
+every process the tests start."""
 
 from __future__ import annotations
 
@@ -17,11 +22,17 @@ from contextlib import AbstractContextManager
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
-from fake_server import Behaviour, FakeServer, reserved_port, torchrun_job
-from typer.testing import CliRunner
+_ROOT = Path(__file__).resolve().parents[1]
+HELPER_DIRS = [str(_ROOT / "tests" / "support"), str(_ROOT / "bench" / "_support")]
+sys.path[:0] = [d for d in HELPER_DIRS if d not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [*HELPER_DIRS, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+)
 
-from ckptctl.cli import app
+import pytest  # noqa: E402
+from cli_run import ckptctl_script, invoke, run_script  # noqa: E402, F401 - tests import them from here
+from fake_server import Behaviour, FakeServer, reserved_port, torchrun_job  # noqa: E402
+from locations import CPU_PS_RANK  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -78,34 +89,6 @@ def short_tmp() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def invoke(*args: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
-    """Run the CLI in-process (Typer's CliRunner keeps stdout and stderr apart)."""
-    return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
-
-
-def ckptctl_script() -> str:
-    """The installed console script next to this interpreter."""
-    script = Path(sys.executable).with_name("ckptctl")
-    return str(script) if script.exists() else shutil.which("ckptctl") or "ckptctl"
-
-
-def run_script(
-    *args: str, timeout: float = 60, env: dict[str, str] | None = None, **kw
-) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [ckptctl_script(), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        **kw,
-    )
-
-
-CPU_PS_RANK = str(Path(__file__).with_name("cpu_ps_rank.py"))
-
-
 def cpu_serve_job(
     endpoint: str, *flags: str, env: dict[str, str] | None = None, port: int | None = None
 ) -> AbstractContextManager[subprocess.Popen[str]]:
@@ -134,9 +117,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if _cuda_available():  # these check what a machine without CUDA says
         skip_here = pytest.mark.skip(reason="expects a machine without CUDA (no_cuda)")
         for item in items:
-            if "no_cuda" in item.keywords:
+            if item.get_closest_marker("no_cuda"):
                 item.add_marker(skip_here)
-    gpu = [item for item in items if "gpu" in item.keywords]
+    # (By marker, not keyword: every test under tests/gpu/ has the keyword "gpu", its folder.)
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
     for item in gpu:
         item.add_marker(pytest.mark.xdist_group("gpu"))
     if gpu and not _cuda_available():

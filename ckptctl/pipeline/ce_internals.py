@@ -146,7 +146,7 @@ def apply_gathered(
 ) -> None:
     """Leave `ps` as gather_metas would, from every rank's `own_facts` (`docs`, in rank order)
     and the plan's buffers: the global metas (ranks without buffers left out), the hosts and
-    GPU UUIDs (kept from the first gather), the RDMA topology. tests/test_engine_internals.py
+    GPU UUIDs (kept from the first gather), the RDMA topology. tests/torchrun/test_engine_internals.py
     runs gather_metas beside this and compares everything either sets."""
     from ckptctl.pipeline.engine import engine_module
 

@@ -1,0 +1,327 @@
+"""Run the real `ckptctl` CLI with checkpoint-engine's ParameterServer replaced by a CPU
+stand-in (the real one needs CUDA). Everything else is real: torchrun, the store, the
+watchdog, the split, the HTTP requests to a real server, the read-back. Used by
+test_update_orchestration.py to test the pipeline's wiring on CPU; the GPU tests run the
+real ParameterServer.
+
+    torchrun ... tests/support/cpu_ps_rank.py update --checkpoint-path DIR ...
+
+What the stand-in can be told to do:
+- a checkpoint registered under a name containing "fail-after-connect": the server's workers
+  connect, then the last rank's worker fails mid-transfer, and every rank's update fails the
+  way checkpoint-engine's does (its return-code all-reduce);
+- CPU_PS_SLOW_UPDATE_RANK=r: rank r's update takes a second longer (a slow node), and no
+  rank waits for another at its end (checkpoint-engine's issue #106);
+- CPU_PS_EVENTS=F: every rank appends "update-end NAME" / "unregister NAME" lines to F, one
+  shared file, in the order they happen;
+- CPU_PS_SLOW_CHECK_RANK=r: rank r checks a --consume-shm-files plan late;
+- CPU_PS_TRANSFER=zmq: the update is the real ParameterServerSession's, around `CpuEngine`,
+  which speaks checkpoint-engine's IPC protocol over real zmq sockets to the server's workers
+  (a FakeServer whose on_update is tests/fake_worker.ZmqWorkers): the server can die, hang or
+  fail mid-transfer, and the job must end the transfer as it would on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+
+class CpuParameterServerSession:
+    """What the pipeline calls on ParameterServerSession, without CUDA: registered tensors are
+    kept as views, `update` hands every rank's fake IPC socket paths to the request function
+    in a thread, the way checkpoint-engine does."""
+
+    def __init__(
+        self,
+        *,
+        p2p: str,
+        io_timeout: Any,
+        group_store: Any = None,
+        on_failure: Any = None,
+        group_timeout_s: float | None = None,
+    ) -> None:
+        self.group_store = group_store  # the job's store (None for one process)
+        self.group_timeout_s = group_timeout_s  # the NCCL group's, were there one
+        log = os.environ.get("CPU_PS_LOG")
+        if log:
+            with open(f"{log}.session.{os.environ['RANK']}", "w") as fh:
+                json.dump({"group_timeout_s": group_timeout_s}, fh)
+        self.updates: dict[str, int] = {}  # per checkpoint name: the key of each update
+        self.p2p_enabled = False
+        self.p2p_error = None
+        self.registered: dict[str, dict[str, Any]] = {}
+        self.buffers: dict[str, list[Any]] = {}
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.connected = False  # the server's workers took the IPC handle (this update)
+        self.rescued: str | None = None
+        self.on_bucket_loaded: Any = None
+        self.real: Any = None  # CPU_PS_TRANSFER=zmq: the real session, around a CpuEngine
+        if os.environ.get("CPU_PS_TRANSFER") == "zmq":
+            real = object.__new__(REAL_SESSION)  # its constructor needs CUDA
+            real.ps = CpuEngine(self)
+            real.sockets = []
+            real._io_timeout = io_timeout
+            real._group = _BuiltGroup()
+            real.on_bucket_loaded = None
+            real._on_failure = on_failure
+            real._wrap_socket_factory()
+            self.real = real
+
+    def register(self, name: str, named_tensors: dict[str, Any]) -> None:
+        self.registered[name] = dict(named_tensors)
+
+    def register_buffers(self, name: str, buffers: list[Any]) -> None:
+        self.registered[name] = {m.name: m for b in buffers for m in b.metas}
+        self.buffers[name] = buffers
+        # What landed in the buffers (tests fill each checkpoint with one byte value) and
+        # where: a test reads this to see a pool refilled in place.
+        fills = set()
+        for b in buffers:
+            offset = 0
+            for m in b.metas:
+                n = m.dtype.itemsize * int(torch.Size(m.shape).numel())
+                fills.update(b.buffer[offset : offset + n].unique().tolist())
+                offset += m.aligned_size
+        log = os.environ.get("CPU_PS_LOG")
+        if log:
+            with open(f"{log}.{self.rank}", "a") as fh:
+                ptrs = sorted(b.buffer.data_ptr() for b in buffers)
+                fh.write(json.dumps({"name": name, "ptrs": ptrs, "fills": sorted(fills)}) + "\n")
+
+    def register_files(self, name: str, files: list[str]) -> None:
+        # What checkpoint-engine's in-place pinning does with /dev/shm files: pin, then delete.
+        self.registered[name] = {f: f for f in files}
+        for f in files:
+            os.remove(f)
+
+    def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
+        """What the real session hashes for --verify: the bytes each tensor was registered with."""
+        if name in self.buffers:
+            from ckptctl.pipeline.parameter_server import buffer_views
+
+            return buffer_views(self.buffers[name])
+        return [
+            (n, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            for n, t in self.registered.get(name, {}).items()
+        ]
+
+    def ensure_group(self) -> float | None:
+        return None  # no process group to build here
+
+    def gather(self, name: str) -> None:
+        pass
+
+    def gather_planned(self, name: str, planned: dict[int, Any]) -> None:
+        # Direct registration knows every rank's buffers from the plan: this rank's part must
+        # be exactly what it registered (the real session also exchanges the addresses).
+        own = [(b.size, [m.name for m in b.metas]) for b in self.buffers.get(name, [])]
+        want = [(size, [m.name for m in metas]) for size, metas in planned.get(self.rank, [])]
+        assert own == want, "the planned metas are not what this rank registered"
+        log = os.environ.get("CPU_PS_LOG")
+        if log:
+            with open(f"{log}.gathered.{self.rank}", "a") as fh:
+                fh.write(json.dumps({"gathered": name, "planned_ranks": sorted(planned)}) + "\n")
+
+    def metas(self) -> dict[int, Any]:
+        return {}
+
+    def wait_transfer_finished(self, timeout: float) -> bool:
+        return True if self.real is None else self.real.wait_transfer_finished(timeout)
+
+    def cancel(self, message: str) -> None:
+        if self.real is not None:
+            self.real.cancel(message)
+
+    def rescue(self, message: str) -> bool:
+        if self.real is not None:
+            return bool(self.real.rescue(message))
+        if self.connected:
+            return False  # a worker has the handle: only its own error path ends the transfer
+        self.rescued = message  # the real one ends checkpoint-engine's blocked transfer
+        return True
+
+    def workers_connected(self) -> bool:
+        return self.connected if self.real is None else self.real.workers_connected()
+
+    def _event(self, what: str, name: str) -> None:
+        path = os.environ.get("CPU_PS_EVENTS")
+        if path:
+            line = json.dumps({"rank": self.rank, "event": what, "name": name}) + "\n"
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())  # one write: lines from ranks never interleave
+            finally:
+                os.close(fd)
+
+    def update(self, name: str, req_func: Any, ranks: list[int] | None) -> None:
+        from ckptctl.errors import OperationFailed
+
+        if self.real is not None:
+            self.real.on_bucket_loaded = self.on_bucket_loaded
+            try:
+                self.real.update(name, req_func, ranks)
+            finally:
+                self._event("update-end", name)
+            return
+
+        self.rescued = None
+        self.connected = "fail-after-connect" in name
+        self.updates[name] = self.updates.get(name, 0) + 1
+        paths = [(f"GPU-fake-{r}", f"ipc://@fake-{r}.sock") for r in range(self.world)]
+        sent = len(getattr(req_func, "messages", []))
+        thread = threading.Thread(target=req_func, args=(paths,))
+        thread.start()
+        thread.join()
+        # checkpoint-engine's update is collective: it returns on every rank together, once the
+        # leader's server has taken the weights, or fails on every rank. A rank here marks its
+        # part done (a leader only when its server said yes) and waits for all: a failed
+        # leader never marks it, and every rank is ended - by the watchdog (update) or by the
+        # rescue of its transfer (serve) - never left to finish, or exit 0, on its own. Where
+        # the workers connected, their error replies end the transfer on every rank
+        # (checkpoint-engine's error path): it is over, failed or not.
+        leader = getattr(getattr(req_func, "assignment", None), "is_leader", False)
+        ok = self.connected or not leader or len(getattr(req_func, "messages", [])) > sent
+        key = f"cpu-ps/{name}/{self.updates[name]}"
+        store = self.group_store
+        if ok and self.rescued is None and store is not None:
+            store.set(f"{key}/{self.rank}", "done")
+
+        def all_done() -> bool:
+            return ok if store is None else store.check([f"{key}/{r}" for r in range(self.world)])
+
+        while self.rescued is None and not all_done():
+            time.sleep(0.02)
+        if os.environ.get("CPU_PS_SLOW_UPDATE_RANK") == str(self.rank):
+            threading.Event().wait(1.0)  # still copying this rank's buffers
+        self._event("update-end", name)
+        if self.rescued is not None:
+            raise OperationFailed(f"checkpoint-engine's update failed: {self.rescued}")
+        if self.connected:
+            note = "the server may now hold partly updated weights"
+            if self.rank == self.world - 1:  # this rank's worker replied with an error
+                raise OperationFailed(
+                    f"the server's worker on GPU-fake-{self.rank} failed while loading the "
+                    f"weights ({note}): RuntimeError: injected failure in bucket 1"
+                )
+            raise OperationFailed(
+                "checkpoint-engine's update failed: RuntimeError: Failed to update weights due "
+                f"to remote errors ({note})"
+            )
+
+    def unregister(self, name: str, pool: Any = None) -> None:
+        self._event("unregister", name)
+        self.registered.pop(name, None)
+        buffers = self.buffers.pop(name, None)
+        if pool is not None and buffers is not None:
+            pool.give_back(buffers)
+
+
+class _BuiltGroup:
+    """The NCCL group the real session waits for: none here (the store stands in for it)."""
+
+    seconds = None
+
+    def wait(self, timeout_s: float) -> None:
+        pass
+
+
+class CpuEngine:
+    """checkpoint-engine's ParameterServer as far as one update goes, on CPU: `update` runs
+    its `_update_per_bucket` protocol over real zmq sockets - the handle, then per bucket the
+    worker's reply, the all-reduce of return codes (through the job's store), the next bucket;
+    then None, None - and fails the same way when a reply is not empty. The real
+    ParameterServerSession wraps `_bind_zmq_socket` as it wraps checkpoint-engine's."""
+
+    def __init__(self, session: CpuParameterServerSession) -> None:
+        self.session = session
+        self._device_uuid = f"GPU-fake-{session.rank}"
+        self._count = 0
+        # ipc names are machine-wide: this job's own (its ranks agree on it)
+        self._token = os.environ.get("MASTER_PORT", "") + "-" + str(os.getppid())
+
+    def _bind_zmq_socket(self) -> tuple[Any, list[tuple[str, str]]]:
+        import zmq
+
+        def path(r: int) -> str:
+            return f"ipc://@ckptctl-cpu-ps-{self._token}-{r}-{self._count}.sock"
+
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.bind(path(self.session.rank))
+        return sock, [(f"GPU-fake-{r}", path(r)) for r in range(self.session.world)]
+
+    def _buckets(self, name: str) -> list[list[dict[str, Any]]]:
+        count = int(os.environ.get("CPU_PS_BUCKETS", "3"))
+        items = sorted(self.session.registered.get(name, {}).items())
+        metas = [
+            {"name": n, "shape": list(t.shape), "dtype": t.dtype, "offset": 0} for n, t in items
+        ]
+        return [metas[i::count] for i in range(count)]
+
+    def _all_reduce(self, key: str, value: int) -> int:
+        store, world, rank = self.session.group_store, self.session.world, self.session.rank
+        if store is None:
+            return value
+        store.set(f"{key}/{rank}", str(value))
+        keys = [f"{key}/{r}" for r in range(world)]
+        while not store.check(keys):
+            time.sleep(0.005)
+        return sum(int(store.get(k)) for k in keys)
+
+    def update(self, name: str, req_func: Any, ranks: list[int] | None = None) -> None:
+        self._count += 1
+        key = f"cpu-ps-zmq/{name}/{self._count}"
+        socket, paths = self._bind_zmq_socket()
+        req_thread = threading.Thread(target=req_func, args=(paths,))
+        req_thread.start()
+        socket.send_pyobj(("cpu-ipc-handle", self.session.rank))
+        try:
+            for i, bucket in enumerate(self._buckets(name)):
+                resp = socket.recv()
+                if self._all_reduce(f"{key}/{i}", int(resp != b"")):
+                    socket.send_pyobj(RuntimeError("Some workers failed to update weights"))
+                    raise RuntimeError("Failed to update weights due to remote errors")
+                socket.send_pyobj(bucket)
+            socket.recv()
+            socket.send_pyobj(None)
+            socket.recv()
+            socket.send_pyobj(None)
+            socket.recv()
+        finally:
+            req_thread.join()
+            self._all_reduce(f"{key}/end", 0)
+            socket.close()
+
+
+if __name__ == "__main__":
+    import ckptctl.pipeline.host_memory._cuda_pinning as pinning_module
+    import ckptctl.pipeline.parameter_server as ps_module
+
+    REAL_SESSION = ps_module.ParameterServerSession
+    ps_module.ParameterServerSession = CpuParameterServerSession  # type: ignore[misc]
+    # No CUDA to pin host memory with: direct registration's buffers stay pageable.
+    pinning_module.DriverPin.for_rank = classmethod(lambda cls, rank: None)  # type: ignore
+    pinning_module.pin_in_place = lambda buffer: None  # type: ignore[assignment]
+    pinning_module.unpin = lambda buffer: None  # type: ignore[assignment]
+    if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ.get("RANK", "0"):
+        # This rank checks a --consume-shm-files plan late (a slower node, a busy CPU).
+        import ckptctl.pipeline.update as update_module
+
+        check = update_module.check_consumable
+
+        def slow_check(plan: Any) -> None:
+            time.sleep(2.0)
+            check(plan)
+
+        update_module.check_consumable = slow_check  # type: ignore[assignment]
+    sys.argv = ["ckptctl", *sys.argv[1:]]
+    from ckptctl.cli import main
+
+    main()

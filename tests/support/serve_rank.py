@@ -1,0 +1,52 @@
+"""One rank of a real torchrun `serve` job on CPU (run by test_serve*.py): the real command
+channel, control socket and scoped stages, with the GPU part of a push (register, update)
+left out - each push plans the checkpoint for real and meets the other ranks.
+
+    torchrun ... tests/support/serve_rank.py CONTROL_SOCKET
+
+SERVE_RANK_LOG=F: each rank appends one line per push it runs to F.<rank> (what it ran);
+SERVE_RANK_PIDS=DIR: each rank writes its pid to DIR/<rank> (to signal one rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ckptctl.launch import launch_info
+from ckptctl.pipeline import stages
+from ckptctl.pipeline.coordination import Coordinator, Watchdog
+from ckptctl.pipeline.job import Job
+from ckptctl.pipeline.serve.loop import serve_loop
+from ckptctl.progress import Reporter
+
+
+def execute(job: Job, command: dict) -> dict:
+    log = os.environ.get("SERVE_RANK_LOG")
+    if log:
+        with open(f"{log}.{job.launch.rank}", "a") as fh:
+            fh.write(json.dumps({k: command.get(k) for k in ("seq", "checkpoint_name")}) + "\n")
+    _, plan, share = stages.plan_share(job, command["checkpoint_path"], "auto")
+    if command.get("checkpoint_name") == "boom" and job.launch.rank == 1:
+        raise RuntimeError("injected: not one of ckptctl's errors")  # as checkpoint-engine's
+    job.barrier("pushed")  # stands in for the collective update
+    return {"checkpoint_name": command.get("checkpoint_name"), "tensors": len(share.tensors)}
+
+
+def main(control_socket: str) -> None:
+    launch = launch_info()
+    pids = os.environ.get("SERVE_RANK_PIDS")
+    if pids:
+        with open(os.path.join(pids, str(launch.rank)), "w") as fh:
+            fh.write(str(os.getpid()))
+    coordinator = Coordinator.connect(launch, timeout_s=30) or Coordinator.local(launch)
+    watchdog = Watchdog(launch, coordinator, timeout_s=60).start()
+    job = Job(launch, coordinator, watchdog, Reporter(print, primary=launch.rank == 0))
+    ended = serve_loop(job, execute, control_socket=control_socket, push_timeout=30)
+    print(f"rank {launch.rank}: {ended}", flush=True)
+    watchdog.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
