@@ -93,7 +93,7 @@ def test_status_never_prints_an_endpoint_password() -> None:
 def test_consume_refuses_a_folder_others_can_write() -> None:
     """A 0777 folder on the way lets another user swap a subfolder for a symlink between the
     check and checkpoint-engine's os.remove (which resolves the path again)."""
-    from ckptctl.pipeline.update import check_in_shm
+    from ckptctl.checkpoint.consume import check_in_shm
 
     base = Path(tempfile.mkdtemp(prefix="ckptctl-adv-", dir="/dev/shm"))
     try:

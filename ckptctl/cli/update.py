@@ -281,8 +281,8 @@ def plan_dry_run(
     """The dry run: every check the real run makes before it loads anything (flags, server
     groups, --consume-shm-files), then the split and the groups, printed."""
     from ckptctl.checkpoint import plan_split, read_checkpoint
+    from ckptctl.checkpoint.consume import check_consumable, check_consume
     from ckptctl.cli._plan_view import show_plan
-    from ckptctl.pipeline.update import check_consumable, check_consume
 
     per_node = resolve_nproc_per_node(launch, nproc_flag, world)
     try:

@@ -201,7 +201,8 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: dict[str, Any]
             name = f"{name}-{action}-{command['seq']}"
         if name == state.get("registered"):
             name = f"{name}-{command['seq']}"  # the one being served is still registered
-        from ckptctl.pipeline.update import check_consumable_together, check_consume
+        from ckptctl.checkpoint.consume import check_consume
+        from ckptctl.pipeline.update import check_consumable_together
 
         mode = "consume" if command.get("consume_shm_files") else opts.register_mode
         split = check_consume(command["checkpoint_path"], mode, opts.split)
