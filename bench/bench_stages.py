@@ -153,7 +153,7 @@ def engine_style_metas(plan: Any) -> dict[int, list[tuple[int, list[Any]]]]:
     """Every rank's metas as validated ParameterMetas, one torch.Size per tensor (what
     checkpoint-engine's register_checkpoint and gather_metas hand around)."""
     from ckptctl.checkpoint.loader import torch_layout
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
     from ckptctl.pipeline.pinning import aligned, layout
 
     meta_cls = engine_module("data_types").ParameterMeta
@@ -179,7 +179,7 @@ def global_metas(
 ) -> tuple[dict[int, Any], Any]:
     from collections import defaultdict
 
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
     from ckptctl.pipeline.parameter_server import apply_gathered
 
     ps = object.__new__(engine_module("ps").ParameterServer)
@@ -202,7 +202,7 @@ def global_metas(
 
 
 def gather_section(plan: Any, repeat: int) -> dict[str, Any]:
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
     from ckptctl.pipeline.pinning import gc_paused, planned_buffers
 
     types = engine_module("data_types")
@@ -248,7 +248,7 @@ def update_section(
 ) -> dict[str, Any]:
     import torch
 
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
     from ckptctl.pipeline.pinning import gc_paused
 
     ps_mod = engine_module("ps")
@@ -318,7 +318,7 @@ IMPORTS = {
     "import torch": "import torch\n",
     "import checkpoint_engine.ps": "import checkpoint_engine.ps\n",
     "engine_module('ps') (ckptctl)": (
-        "from ckptctl.pipeline.engine import engine_module\nengine_module('ps')\n"
+        "from ckptctl.pipeline.ce_import import engine_module\nengine_module('ps')\n"
     ),
 }
 

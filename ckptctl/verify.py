@@ -37,7 +37,7 @@ from typing import Any
 from ckptctl.bounded_http import ResponseTooLarge
 from ckptctl.defaults import API_KEY_ENV
 from ckptctl.errors import DeadlineExceeded, InvalidInput, OperationFailed
-from ckptctl.server import (
+from ckptctl.inference_server import (
     ServerAddress,
     describe_failure,
     make_client,

@@ -18,7 +18,7 @@ import pytest
 from conftest import run_script
 
 from ckptctl.errors import InvalidInput, UsageError
-from ckptctl.server import ServerAddress
+from ckptctl.inference_server import ServerAddress
 
 
 def _gzip(data: bytes) -> bytes:

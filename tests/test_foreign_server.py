@@ -24,7 +24,7 @@ from conftest import invoke, run_script
 from fake_server import Behaviour, FakeServer, torchrun_cmd
 
 import ckptctl.cli.wait_ready as wait_ready_cli
-from ckptctl.server import MESSAGE_CHARS, ServerAddress, UpdateRefused, push_update
+from ckptctl.inference_server import MESSAGE_CHARS, ServerAddress, UpdateRefused, push_update
 
 FOREIGN = "this does not answer like SGLang or vLLM (check --endpoint)"
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"

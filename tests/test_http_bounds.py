@@ -26,8 +26,8 @@ from conftest import run_script, wait_until
 from fake_server import Behaviour, FakeServer
 
 from ckptctl.bounded_http import MAX_RESPONSE_BYTES, ResponseTooLarge, bounded_client, deadline
+from ckptctl.inference_server import CONTRACTS, ServerAddress, make_client, push_update
 from ckptctl.readiness import read_weight_version
-from ckptctl.server import CONTRACTS, ServerAddress, make_client, push_update
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 CPU_PS_RANK = str(Path(__file__).with_name("cpu_ps_rank.py"))

@@ -25,8 +25,8 @@ from fake_server import Behaviour, FakeServer
 
 from ckptctl import results
 from ckptctl.errors import redact, redact_doc, register_secret, register_url_secrets
+from ckptctl.inference_server import ServerAddress
 from ckptctl.progress import Reporter
-from ckptctl.server import ServerAddress
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-checkpoint"
 SCRIPT = str(Path(__file__).with_name("cpu_ps_rank.py"))

@@ -194,37 +194,77 @@ InferenceParallelSizeOpt = Annotated[
         "first rank of each group talks to that group's server.",
     ),
 ]
-TimeoutOpt = Annotated[
+
+
+def _timeout(low: float, panel: str, help: str) -> Any:
+    return typer.Option(
+        "--timeout", metavar="SECONDS", callback=at_least(low), rich_help_panel=panel, help=help
+    )
+
+
+TimeoutOpt = Annotated[float, _timeout(0, TRANSFER, "Give up after this many seconds (exit 4).")]
+# push and rollback: how long the command waits for the job's answer.
+AnswerTimeoutOpt = Annotated[
     float,
-    typer.Option(
-        "--timeout",
-        metavar="SECONDS",
-        callback=at_least(0),
-        rich_help_panel=TRANSFER,
-        help="Give up after this many seconds (exit 4).",
+    _timeout(
+        1,
+        WAITING,
+        "Seconds to wait for the job's answer (exit 4); the serve job bounds each push by its "
+        "own --push-timeout.",
     ),
 ]
 
 # -- the checkpoint (update, save-metas, join) --------------------------------------------------
 
-CheckpointPathOpt = Annotated[
-    Path,
-    typer.Option(
+
+def _checkpoint_path(more: str = "") -> Any:
+    return typer.Option(
         "--checkpoint-path",
         metavar="DIR",
         show_default=False,
         rich_help_panel=CHECKPOINT,
         help="Checkpoint directory: safetensors shards with their index.json, one "
-        "model.safetensors, or a directory of .safetensors files.",
-    ),
+        "model.safetensors, or a directory of .safetensors files." + more,
+    )
+
+
+CheckpointPathOpt = Annotated[Path, _checkpoint_path()]
+# update: a checkpoint, or --load-metas-file to join.
+CheckpointPathOrJoinOpt = Annotated[
+    Path | None, _checkpoint_path(" Required unless --load-metas-file is given.")
 ]
-CheckpointNameOpt = Annotated[
-    str,
-    typer.Option(
-        "--checkpoint-name",
-        metavar="NAME",
+
+
+def _checkpoint_name(help: str) -> Any:
+    return typer.Option("--checkpoint-name", metavar="NAME", rich_help_panel=CHECKPOINT, help=help)
+
+
+CheckpointNameOpt = Annotated[str, _checkpoint_name("Name the checkpoint is registered under.")]
+PushNameOpt = Annotated[
+    str | None, _checkpoint_name("Name to register it under (default: push-N).")
+]
+
+
+def _load_metas_file(help: str) -> Any:
+    return typer.Option(
+        "--load-metas-file",
+        metavar="FILE",
+        show_default=False,
         rich_help_panel=CHECKPOINT,
-        help="Name the checkpoint is registered under.",
+        help=help,
+    )
+
+
+LoadMetasFileOpt = Annotated[
+    Path,
+    _load_metas_file("Metas file written by `ckptctl save-metas` (or `update --save-metas-file`)."),
+]
+# update --load-metas-file: the seed script's join mode.
+JoinFromMetasOpt = Annotated[
+    Path | None,
+    _load_metas_file(
+        "Join instead: pull the weights over p2p from the holders this metas file names (as "
+        "`ckptctl join`); no checkpoint is read."
     ),
 ]
 SplitOpt = Annotated[
@@ -309,14 +349,29 @@ MemFractionOpt = Annotated[
         "PS_MEM_FRACTION; its default is 0.9).",
     ),
 ]
-SleepTimeOpt = Annotated[
-    float,
-    typer.Option(
+
+
+def _sleep_time(help: str, **more: Any) -> Any:
+    return typer.Option(
         "--sleep-time",
         metavar="SECONDS",
         callback=at_least(0),
         rich_help_panel=TRANSFER,
-        help="Seconds to stay alive after the update, serving the registered weights.",
+        help=help,
+        **more,
+    )
+
+
+SleepTimeOpt = Annotated[
+    float, _sleep_time("Seconds to stay alive after the update, serving the registered weights.")
+]
+# save-metas: until a signal unless given.
+HoldTimeOpt = Annotated[
+    float | None,
+    _sleep_time(
+        "Serve the weights for this many seconds, then unregister and exit 0. Default: until "
+        "SIGTERM or SIGINT (then the same, cleanly).",
+        show_default=False,
     ),
 ]
 PushTimeoutOpt = Annotated[

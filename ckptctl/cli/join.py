@@ -3,14 +3,8 @@ server."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
-
-import typer
-
 from ckptctl.cli._choices import EngineChoice
 from ckptctl.cli._options import (
-    CHECKPOINT,
     AllowPickleOpt,
     ApiKeyOpt,
     CheckpointNameOpt,
@@ -19,6 +13,7 @@ from ckptctl.cli._options import (
     HelpOpt,
     InferenceParallelSizeOpt,
     JsonOpt,
+    LoadMetasFileOpt,
     QuietOpt,
     TimeoutOpt,
     UdsListOpt,
@@ -31,16 +26,7 @@ from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 
 
 def join_command(
-    load_metas_file: Annotated[
-        Path,
-        typer.Option(
-            "--load-metas-file",
-            metavar="FILE",
-            show_default=False,
-            rich_help_panel=CHECKPOINT,
-            help="Metas file written by `ckptctl save-metas` (or `update --save-metas-file`).",
-        ),
-    ],
+    load_metas_file: LoadMetasFileOpt,
     checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
     allow_pickle: AllowPickleOpt = False,
     endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help

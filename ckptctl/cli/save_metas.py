@@ -10,10 +10,10 @@ import typer
 from ckptctl.cli._choices import RegisterModeChoice, SplitChoice
 from ckptctl.cli._options import (
     CHECKPOINT,
-    TRANSFER,
     CheckpointNameOpt,
     CheckpointPathOpt,
     HelpOpt,
+    HoldTimeOpt,
     JsonOpt,
     QuietOpt,
     ReadThreadsOpt,
@@ -21,7 +21,6 @@ from ckptctl.cli._options import (
     SplitOpt,
     TimeoutOpt,
     VerboseOpt,
-    at_least,
 )
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME
@@ -44,18 +43,7 @@ def save_metas_command(
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
-    sleep_time: Annotated[
-        float | None,
-        typer.Option(
-            "--sleep-time",
-            metavar="SECONDS",
-            callback=at_least(0),
-            show_default=False,
-            rich_help_panel=TRANSFER,
-            help="Serve the weights for this many seconds, then unregister and exit 0. "
-            "Default: until SIGTERM or SIGINT (then the same, cleanly).",
-        ),
-    ] = None,
+    sleep_time: HoldTimeOpt = None,
     timeout: TimeoutOpt = 600,
     verbose: VerboseOpt = False,
     json_output: JsonOpt = False,

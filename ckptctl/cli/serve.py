@@ -18,6 +18,7 @@ from ckptctl.cli._options import (
     SERVE_JOB,
     TRANSFER,
     WAITING,
+    AnswerTimeoutOpt,
     ApiKeyOpt,
     BucketSizeOpt,
     CheckpointPathOpt,
@@ -29,6 +30,7 @@ from ckptctl.cli._options import (
     InferenceParallelSizeOpt,
     JsonOpt,
     MemFractionOpt,
+    PushNameOpt,
     PushTimeoutOpt,
     QuietOpt,
     ReadThreadsOpt,
@@ -95,19 +97,6 @@ WaitOpt = Annotated[
         rich_help_panel=WAITING,
         help="Wait up to this many seconds for the serve job to answer (it starts for a while "
         "after `serve &`); exit 4 if it does not.",
-    ),
-]
-
-# push and rollback: how long the command waits for the job's answer.
-AnswerTimeoutOpt = Annotated[
-    float,
-    typer.Option(
-        "--timeout",
-        metavar="SECONDS",
-        callback=at_least(1),
-        rich_help_panel=WAITING,
-        help="Seconds to wait for the job's answer (exit 4); the serve job bounds each push by "
-        "its own --push-timeout.",
     ),
 ]
 
@@ -209,15 +198,7 @@ def serve_command(
 def push_command(
     checkpoint_path: CheckpointPathOpt,
     weight_version: WeightVersionOpt = None,
-    checkpoint_name: Annotated[
-        str | None,
-        typer.Option(
-            "--checkpoint-name",
-            metavar="NAME",
-            rich_help_panel="Checkpoint",
-            help="Name to register it under (default: push-N).",
-        ),
-    ] = None,
+    checkpoint_name: PushNameOpt = None,
     consume_shm_files: ConsumeShmOpt = False,
     verify: VerifyOpt = False,
     allow_layout_change: Annotated[

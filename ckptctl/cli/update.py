@@ -21,11 +21,13 @@ from ckptctl.cli._options import (
     ApiKeyOpt,
     BucketSizeOpt,
     CheckpointNameOpt,
+    CheckpointPathOrJoinOpt,
     ConsumeShmOpt,
     EndpointsOpt,
     EngineOpt,
     HelpOpt,
     InferenceParallelSizeOpt,
+    JoinFromMetasOpt,
     JsonOpt,
     MemFractionOpt,
     QuietOpt,
@@ -67,18 +69,7 @@ def resolve_world_size(launch: LaunchInfo, flag: int | None, default: int = 1) -
 
 
 def update_command(
-    checkpoint_path: Annotated[
-        Path | None,
-        typer.Option(
-            "--checkpoint-path",
-            metavar="DIR",
-            show_default=False,
-            rich_help_panel=CHECKPOINT,
-            help="Checkpoint directory: safetensors shards with their index.json, one "
-            "model.safetensors, or a directory of .safetensors files. Required unless "
-            "--load-metas-file is given.",
-        ),
-    ] = None,
+    checkpoint_path: CheckpointPathOrJoinOpt = None,
     checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
@@ -93,17 +84,7 @@ def update_command(
             help="Also write the gathered metas to this file.",
         ),
     ] = None,
-    load_metas_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--load-metas-file",
-            metavar="FILE",
-            show_default=False,
-            rich_help_panel=CHECKPOINT,
-            help="Join instead: pull the weights over p2p from the holders this metas file "
-            "names (as `ckptctl join`); no checkpoint is read.",
-        ),
-    ] = None,
+    load_metas_file: JoinFromMetasOpt = None,
     allow_pickle: AllowPickleOpt = False,
     endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
     uds: UdsListOpt = None,

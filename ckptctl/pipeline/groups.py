@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from ckptctl.defaults import DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
+from ckptctl.inference_server import ServerAddress
 from ckptctl.launch import LaunchInfo
-from ckptctl.server import ServerAddress
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class ServerTargets:
             raise UsageError(
                 "--weight-version needs --engine sglang: vLLM records no weight version"
             )
-        from ckptctl.server import check_endpoint
+        from ckptctl.inference_server import check_endpoint
 
         return cls(
             tuple(check_endpoint(e) for e in endpoints or (DEFAULT_ENDPOINT,)),

@@ -58,7 +58,7 @@ def run_save_metas(
         stages.gather_metas(job, session, opts.checkpoint_name, reader)
         stages.save_metas(job, session, opts.metas_file, opts.checkpoint_name)
         ranks = job.gather_figures(job.figures())
-        ended = stages.serve(job, opts.sleep_time)
+        ended = stages.hold_for_joiners(job, opts.sleep_time)
         session.unregister(opts.checkpoint_name)
         job.reporter.log(f"unregistered {opts.checkpoint_name} ({ended})")
         return {

@@ -381,7 +381,7 @@ def rescue(endpoint: str, message: str, timeout_s: float = 30.0) -> threading.Th
 def own_facts(ps: Any, name: str) -> dict[str, Any]:
     """What this rank's ParameterServer adds to the plan for `gather_planned`: its buffers'
     addresses, sizes and tensor counts, its host, GPU and p2p store (what gather_metas sends)."""
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
 
     own = ps._memory_pool.get(name, [])
     return {
@@ -429,7 +429,7 @@ def apply_gathered(
     buffers left out), the hosts and GPU UUIDs (kept from the first gather), the RDMA
     topology. tests/test_gather_planned.py runs checkpoint-engine's own gather_metas beside
     this and compares everything it sets, so a change there fails a test, not an update."""
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
 
     types = engine_module("data_types")
     global_metas: dict[int, Any] = {}
@@ -594,7 +594,7 @@ class ParameterServerSession(TransferSockets):
             device_index=local_device_index(rank),
             timeout_s=group_timeout_s or MIN_TIMEOUT_S,
         )
-        from ckptctl.pipeline.engine import engine_module
+        from ckptctl.pipeline.ce_import import engine_module
 
         ParameterServer = engine_module("ps").ParameterServer  # noqa: N806 - a class
 

@@ -1,7 +1,7 @@
 """The stages the GPU commands are built from, each timed and shown by the job's reporter.
 
 plan_share → start_parameter_server → register_share → wait_for_server → build_group
-→ gather_metas → push (update) → verify_weight_version → serve (save-metas, --sleep-time)
+→ gather_metas → push (update) → verify_weight_version → hold_for_joiners (--sleep-time)
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
+from ckptctl.inference_server import ServerAddress
 from ckptctl.pipeline.coordination import PAST_DEADLINE_S, StoppedByPeer, abort_error
 from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
 from ckptctl.progress import Reporter, format_bytes
-from ckptctl.server import ServerAddress
 
 # After the server says "done", the IPC transfer must finish within this many seconds: SGLang
 # and vLLM answer only once their workers have loaded every bucket.
@@ -472,7 +472,7 @@ class ServerRequest:
         self._abandoned.set()
 
     def _request(self, address: ServerAddress, handles: dict[str, str]) -> None:
-        from ckptctl.server import UpdateRefused, describe_failure, push_update
+        from ckptctl.inference_server import UpdateRefused, describe_failure, push_update
 
         # The whole exchange ends a little before the job's deadline (PAST_DEADLINE_S, at most
         # a quarter of what is left): a server that trickles then fails the request on its own
@@ -557,8 +557,8 @@ def push(
 def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, want: str) -> None:
     if not assignment.is_leader:
         return
+    from ckptctl.inference_server import CONTRACTS, describe_failure, make_client
     from ckptctl.readiness import read_weight_version
-    from ckptctl.server import CONTRACTS, describe_failure, make_client
 
     address = assignment.address
     assert address is not None
@@ -584,7 +584,7 @@ def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, wa
 OWN_SIGNAL_GRACE_S = 1.0
 
 
-def serve(job: Job, seconds: float | None) -> str:
+def hold_for_joiners(job: Job, seconds: float | None) -> str:
     """Keep the registered weights up for joiners: `seconds`, or until SIGTERM/SIGINT.
 
     A signal to any one rank stops them all: the rank that got it says so in the job's store,

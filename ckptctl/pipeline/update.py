@@ -145,7 +145,7 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
             )
         )
         if opts.sleep_time > 0:
-            stages.serve(job, opts.sleep_time)  # the seed's --sleep-time: stay up for joiners
+            stages.hold_for_joiners(job, opts.sleep_time)  # the seed's --sleep-time
         session.unregister(opts.checkpoint_name)
         return {
             "ok": True,
