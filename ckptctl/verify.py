@@ -64,32 +64,6 @@ VERIFY_HOWS = {
 }
 
 
-def requested(*, verify: bool, round_trip: bool, reset_confirmed: bool, engine: str) -> str | None:
-    """What the flags ask for: None, "auto" (--verify) or "round-trip"; usage errors (exit 2)
-    for combinations that cannot work, before anything starts."""
-    from ckptctl.errors import UsageError
-
-    if reset_confirmed and not round_trip:
-        raise UsageError("--reset-served-weights only goes with --verify-round-trip")
-    if not (verify or round_trip):
-        return None
-    if verify and round_trip:
-        raise UsageError("give one of --verify and --verify-round-trip, not both")
-    if engine != "sglang":
-        raise UsageError(
-            "--verify needs --engine sglang: vLLM has no released weights checker "
-            "(vllm-project/vllm#52689 proposes one)"
-        )
-    if round_trip and not reset_confirmed:
-        raise UsageError(
-            "--verify-round-trip overwrites the served weights with random values before the "
-            "update (SGLang's reset_tensors), so the server answers garbage until the update "
-            "lands, and keeps doing so if it fails. Use it only on a server started from this "
-            "checkpoint, and confirm with --reset-served-weights"
-        )
-    return "round-trip" if round_trip else "auto"
-
-
 # -- talking to the checker ------------------------------------------------------------------
 
 

@@ -19,10 +19,8 @@ if TYPE_CHECKING:
     from ckptctl.checkpoint.plan import Plan
 
 
-def check_consume(checkpoint_path: str, register_mode: str, split: str) -> str:
-    """--consume-shm-files: only files in /dev/shm, and only whole files per rank."""
-    if register_mode != "consume":
-        return split
+def check_consume(checkpoint_path: str, split: str) -> None:
+    """--consume-shm-files takes files in /dev/shm only, whole files per rank (a usage error)."""
     real = os.path.realpath(checkpoint_path)
     if not real.startswith("/dev/shm/"):
         raise UsageError(
@@ -31,7 +29,6 @@ def check_consume(checkpoint_path: str, register_mode: str, split: str) -> str:
         )
     if split == "tensors":
         raise UsageError("--consume-shm-files registers whole files: use --split files (or auto)")
-    return "files"
 
 
 SHM = "/dev/shm"

@@ -58,6 +58,7 @@ def save_metas_command(
     """
     from ckptctl.cli._job_view import run_job_with_display
     from ckptctl.pipeline.metas_jobs import SaveMetasOptions, run_save_metas
+    from ckptctl.pipeline.request import RegisterMode
 
     out = Output(json_mode=json_output, quiet=quiet)
     opts = SaveMetasOptions(
@@ -67,7 +68,7 @@ def save_metas_command(
         split=split.value,
         sleep_time=sleep_time,
         timeout=timeout,
-        register_mode=register_mode.value,
+        register_mode=RegisterMode(register_mode.value),
         read_threads=read_threads,
         verbose=verbose,
     )

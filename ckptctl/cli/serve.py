@@ -15,7 +15,6 @@ import typer
 from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
 from ckptctl.cli._options import (
     FLAG,
-    SERVE_JOB,
     TRANSFER,
     WAITING,
     AnswerTimeoutOpt,
@@ -26,8 +25,11 @@ from ckptctl.cli._options import (
     ControlSocketOpt,
     EndpointsOpt,
     EngineOpt,
+    FindEndpointOpt,
+    FindUdsOpt,
     HelpOpt,
     InferenceParallelSizeOpt,
+    JobSocketOpt,
     JsonOpt,
     MemFractionOpt,
     PushNameOpt,
@@ -43,51 +45,8 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, UDS_ENV
-from ckptctl.errors import CkptctlError, UsageError, redact
+from ckptctl.errors import CkptctlError, redact
 
-
-def _which_job(name: str, metavar: str, envvar: str, help: str) -> Any:
-    """A client's flag that says which serve job on this node to talk to."""
-    return typer.Option(
-        name,
-        metavar=metavar,
-        envvar=envvar,
-        show_envvar=True,
-        show_default=False,
-        rich_help_panel=SERVE_JOB,
-        help=help,
-    )
-
-
-JobSocketOpt = Annotated[
-    str | None,
-    _which_job(
-        "--control-socket",
-        "PATH",
-        CONTROL_SOCKET_ENV,
-        "The serve job's control socket. Default: that of the job feeding --endpoint, or "
-        "your only serve job on this node.",
-    ),
-]
-FindEndpointOpt = Annotated[
-    list[str] | None,
-    _which_job(
-        "--endpoint",
-        "URL",
-        ENDPOINT_ENV,
-        "Talk to the serve job that feeds this server (where several run here).",
-    ),
-]
-FindUdsOpt = Annotated[
-    list[str] | None,
-    _which_job(
-        "--uds",
-        "PATH",
-        UDS_ENV,
-        "Talk to the serve job that feeds the server on this Unix socket.",
-    ),
-]
 WaitOpt = Annotated[
     float,
     typer.Option(
@@ -162,28 +121,22 @@ def serve_command(
     unchanged), so that the server ends whole on the previous version.
     """
     from ckptctl.cli._job_view import run_job_with_display
-    from ckptctl.pipeline.groups import ServerTargets
+    from ckptctl.pipeline.request import RegisterMode, resolve
     from ckptctl.pipeline.serve.run import ServeOptions, run_serve
 
-    if drop_page_cache and register_mode != RegisterModeChoice.direct:
-        raise UsageError(
-            "--drop-page-cache needs --register-mode direct (checkpoint-engine's copy reads "
-            "through the file mapping)"
-        )
+    request = resolve(
+        (endpoint, uds, api_key, engine.value, inference_parallel_size),
+        split=split.value,
+        register_mode=RegisterMode(register_mode.value),
+        read_threads=read_threads,
+        timeout=push_timeout,
+        timeout_flag="serve --push-timeout",
+        drop_page_cache=drop_page_cache,
+    )
     out = Output(json_mode=json_output, quiet=quiet)
     opts = ServeOptions(
-        servers=ServerTargets.from_flags(
-            endpoints=endpoint,
-            uds=uds,
-            api_key=api_key,
-            engine=engine.value,
-            parallel_size=inference_parallel_size,
-            weight_version=None,
-        ),
+        request=request,
         control_socket=control_socket,
-        split=split.value,
-        register_mode=register_mode.value,
-        read_threads=read_threads,
         push_timeout=push_timeout,
         server_wait=server_wait,
         restore=not no_restore,
