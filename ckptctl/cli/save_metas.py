@@ -57,19 +57,19 @@ def save_metas_command(
     not the serving.
     """
     from ckptctl.cli._job_view import run_job_with_display
+    from ckptctl.pipeline.groups import ServerTargets
     from ckptctl.pipeline.metas_jobs import SaveMetasOptions, run_save_metas
-    from ckptctl.pipeline.request import RegisterMode
+    from ckptctl.pipeline.request import RegisterMode, TransferRequest
 
     out = Output(json_mode=json_output, quiet=quiet)
-    opts = SaveMetasOptions(
+    request = TransferRequest(
+        ServerTargets(),  # (none: it holds the weights for joiners)
         checkpoint_path=str(checkpoint_path),
-        metas_file=str(metas_file),
         checkpoint_name=checkpoint_name,
         split=split.value,
-        sleep_time=sleep_time,
-        timeout=timeout,
         register_mode=RegisterMode(register_mode.value),
         read_threads=read_threads,
-        verbose=verbose,
+        timeout=timeout,
     )
+    opts = SaveMetasOptions(request, str(metas_file), sleep_time=sleep_time, verbose=verbose)
     run_job_with_display(run_save_metas, opts, out)

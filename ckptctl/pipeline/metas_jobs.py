@@ -1,7 +1,7 @@
 """`save-metas` (hold a registered checkpoint for joiners) and `join` (pull it over p2p).
 
-save-metas: split → register → gather → write the metas file (rank 0) → hold until
-`--sleep-time` runs out or SIGTERM/SIGINT → unregister. The file is joinable only where
+save-metas: the transfer's first half (transfer.py, no server): split → register → gather →
+write the metas file (rank 0); then hold until `--sleep-time` runs out or SIGTERM/SIGINT. The file is joinable only where
 checkpoint-engine's p2p store (mooncake + RDMA) runs; otherwise it says so.
 
 join: every refusal before the server is touched; then the transfer (transfer.py) with the
@@ -16,21 +16,16 @@ from typing import Any
 from ckptctl.errors import InvalidInput
 from ckptctl.pipeline import stages
 from ckptctl.pipeline.job import Job, prepare_environment, run_job
-from ckptctl.pipeline.request import P2P, RegisterMode, TransferRequest, check_join_p2p
+from ckptctl.pipeline.request import P2P, TransferRequest, check_join_p2p
 from ckptctl.pipeline.transfer import Transfer
 from ckptctl.progress import Reporter
 
 
 @dataclass
 class SaveMetasOptions:
-    checkpoint_path: str
+    request: TransferRequest  # the checkpoint, its name, split and register mode
     metas_file: str
-    checkpoint_name: str = "my-checkpoint-iter-0"
-    split: str = "auto"
     sleep_time: float | None = None  # None: until SIGTERM/SIGINT
-    timeout: float = 600.0
-    register_mode: RegisterMode = RegisterMode.direct
-    read_threads: int | None = None
     verbose: bool = False
 
 
@@ -39,45 +34,39 @@ def run_save_metas(
 ) -> dict[str, Any]:
     from ckptctl.pipeline.parameter_server import p2p_missing
 
+    req = opts.request
+    assert req.checkpoint_path is not None
     launch = prepare_environment()
     missing = p2p_missing()
-
+    p2p = P2P.optional if missing is None else P2P.off
     early = stages.EarlyShare(
-        opts.checkpoint_path, opts.split, launch, opts.register_mode, opts.read_threads, reporter
+        req.checkpoint_path, req.split, launch, req.register_mode, req.read_threads, reporter
     )
 
     def body(job: Job) -> dict[str, Any]:
-        checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split, early)
-        reader = early.reader
-        session = stages.start_parameter_server(
-            job, p2p=P2P.optional if missing is None else P2P.off
-        )
-        stages.register_share(
-            job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
-        )
-        stages.build_group(job, session)
-        stages.gather_metas(job, session, opts.checkpoint_name, reader)
-        stages.save_metas(job, session, opts.metas_file, opts.checkpoint_name)
+        t = Transfer(job, req, None, p2p=p2p, early=early, save_metas_file=opts.metas_file).run()
+        assert t.checkpoint is not None and t.plan is not None and t.session is not None
+        session = t.session
         ranks = job.gather_figures(job.figures())
         ended = stages.hold_for_joiners(job, opts.sleep_time)
-        session.unregister(opts.checkpoint_name)
-        job.reporter.log(f"unregistered {opts.checkpoint_name} ({ended})")
+        session.unregister(req.checkpoint_name)
+        job.reporter.log(f"unregistered {req.checkpoint_name} ({ended})")
         return {
             "ok": True,
             "metas_file": opts.metas_file,
-            "checkpoint_name": opts.checkpoint_name,
-            "checkpoint_path": opts.checkpoint_path,
-            "split": plan.split,
+            "checkpoint_name": req.checkpoint_name,
+            "checkpoint_path": req.checkpoint_path,
+            "split": t.plan.split,
             "world_size": launch.world_size,
-            "total_bytes": checkpoint.total_bytes,
-            "tensor_count": len(checkpoint.tensors),
+            "total_bytes": t.checkpoint.total_bytes,
+            "tensor_count": len(t.checkpoint.tensors),
             "joinable": session.p2p_enabled,
             "why_not_joinable": None if session.p2p_enabled else (missing or session.p2p_error),
             "served": ended,
             "ranks": ranks,
         }
 
-    return run_job(launch, reporter, body, timeout=opts.timeout, verbose=opts.verbose, debug=debug)
+    return run_job(launch, reporter, body, timeout=req.timeout, verbose=opts.verbose, debug=debug)
 
 
 @dataclass

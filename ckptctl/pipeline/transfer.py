@@ -4,7 +4,8 @@
 
 What differs is a parameter: a checkpoint to plan and register, or (join) the holders' metas to
 pull from; a parameter server to start, or the one a serve job keeps; how long to wait for the
-server; and (serve) a guard that ends a failed push without ending the job.
+server; and (serve) a guard that ends a failed push without ending the job. save-metas runs
+the first half, with no server: up to the gathered metas.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Transfer:
 
     job: Job
     request: TransferRequest
-    assignment: GroupAssignment
+    assignment: GroupAssignment | None  # None: no server (save-metas holds it for joiners)
     session: ParameterServerSession | None = None  # None: started after planning, with `p2p`
     p2p: P2P = P2P.off
     early: stages.EarlyShare | None = None  # update: planned (and read) since the start
@@ -118,23 +119,21 @@ class Transfer:
                 job, session, name, self.checkpoint, self.share, req.register_mode, reader
             )
             self.registered = True
-        stages.wait_for_server(
-            job,
-            assignment,
-            req.servers.engine,
-            limit_s=self.server_wait,
-            flag=self.server_wait_flag,
-        )
-        self.server_up = True
         verification = None
-        if req.verify:  # before anything is pushed: exit 3 where it cannot be done
-            verification = check_offers(job, assignment, req.verify, hashes=self.registered)
-            start_hashing(job, session, name, verification)
+        if assignment is not None:
+            wait, flag = self.server_wait, self.server_wait_flag
+            stages.wait_for_server(job, assignment, req.servers.engine, limit_s=wait, flag=flag)
+            self.server_up = True
+            if req.verify:  # before anything is pushed: exit 3 where it cannot be done
+                verification = check_offers(job, assignment, req.verify, hashes=self.registered)
+                start_hashing(job, session, name, verification)
         if not self.group_built:
             stages.build_group(job, session)
         stages.gather_metas(job, session, name, reader)
         if self.save_metas_file:
             stages.save_metas(job, session, self.save_metas_file, name)
+        if assignment is None:
+            return self
         if self.metas is not None:
             session.load_metas(self.metas)
         if verification is not None:
