@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import OperationFailed
 from ckptctl.pipeline.groups import GroupAssignment
 from ckptctl.pipeline.job import Job
 from ckptctl.pipeline.request import Verify
+
+if TYPE_CHECKING:
+    from ckptctl.pipeline.parameter_server import ParameterServerSession
 
 
 @dataclass
@@ -75,7 +78,9 @@ def check_offers(
     return Verification(how, len(offers))
 
 
-def start_hashing(job: Job, session: Any, name: str, verification: Verification) -> None:
+def start_hashing(
+    job: Job, session: ParameterServerSession, name: str, verification: Verification
+) -> None:
     """For compare_checksum: hash this rank's registered tensors while the update runs."""
     if verification.how is not Verify.checksum:
         return
