@@ -7,7 +7,7 @@ in one run, with no GPU needed:
 
 - split: read_checkpoint + plan_split + the plan's fingerprint, before torch is imported (as
   stages.EarlyShare runs it) and after (garbage collection paused or not);
-- read: one rank's share with ckptctl's reader (pinning.ShareReader, pinning left out: that
+- read: one rank's share with ckptctl's reader (host_memory.ShareReader, pinning left out: that
   needs CUDA) against the page cache's limit measured in the same run - N threads, each
   reading 64 MiB pieces of the files with os.preadv into a buffer of its own (reused: the
   ceiling; fresh memory: what a first read must also fault in) - then the same from a cold
@@ -153,7 +153,7 @@ def engine_style_metas(plan: Any) -> dict[int, list[tuple[int, list[Any]]]]:
     """Every rank's metas as validated ParameterMetas, one torch.Size per tensor (what
     checkpoint-engine's register_checkpoint and gather_metas hand around)."""
     from ckptctl.checkpoint.loader import torch_layout
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
     from ckptctl.pipeline.host_memory._file_reads import aligned, layout
 
     meta_cls = engine_module("data_types").ParameterMeta
@@ -179,8 +179,8 @@ def global_metas(
 ) -> tuple[dict[int, Any], Any]:
     from collections import defaultdict
 
+    from ckptctl.pipeline.ce_import import engine_module
     from ckptctl.pipeline.ce_internals import apply_gathered
-    from ckptctl.pipeline.engine import engine_module
 
     ps = object.__new__(engine_module("ps").ParameterServer)
     ps._gpu_count, ps._all_hosts, ps._global_device_uuids = world, [], []
@@ -202,7 +202,7 @@ def global_metas(
 
 
 def gather_section(plan: Any, repeat: int) -> dict[str, Any]:
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
     from ckptctl.pipeline.host_memory import gc_paused, planned_buffers
 
     types = engine_module("data_types")
@@ -248,7 +248,7 @@ def update_section(
 ) -> dict[str, Any]:
     import torch
 
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
     from ckptctl.pipeline.host_memory import gc_paused
 
     ps_mod = engine_module("ps")
@@ -318,7 +318,7 @@ IMPORTS = {
     "import torch": "import torch\n",
     "import checkpoint_engine.ps": "import checkpoint_engine.ps\n",
     "engine_module('ps') (ckptctl)": (
-        "from ckptctl.pipeline.engine import engine_module\nengine_module('ps')\n"
+        "from ckptctl.pipeline.ce_import import engine_module\nengine_module('ps')\n"
     ),
 }
 

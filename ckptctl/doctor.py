@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ckptctl.errors import redact
 
 if TYPE_CHECKING:  # (httpx stays out of the import until a server is asked about)
-    from ckptctl.server import ServerAddress
+    from ckptctl.inference_server import ServerAddress
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -434,7 +434,7 @@ def server_addresses(
     them; a usage error (exit 2) for a URL that is none or lists that do not pair."""
     from ckptctl.defaults import DEFAULT_ENDPOINT
     from ckptctl.errors import UsageError
-    from ckptctl.server import ServerAddress, check_endpoint
+    from ckptctl.inference_server import ServerAddress, check_endpoint
 
     endpoints, uds = list(endpoints or []), list(uds or [])
     if not endpoints and not uds:
@@ -471,14 +471,14 @@ def identify(address: ServerAddress, timeout: float) -> Identity:
 
     from ckptctl.bounded_http import deadline
     from ckptctl.defaults import API_KEY_ENV
-    from ckptctl.readiness import Prober, read_weight_version
-    from ckptctl.server import (
+    from ckptctl.inference_server import (
         CONTRACTS,
         VLLM_DEV_MODE_HINT,
         auth_headers,
         describe_failure,
         make_client,
     )
+    from ckptctl.readiness import Prober, read_weight_version
 
     where = address.describe()
     extra: dict[str, Any] = {"endpoint": redact(address.endpoint), "uds": address.uds}

@@ -20,7 +20,7 @@ import httpx
 
 from ckptctl.bounded_http import deadline
 from ckptctl.errors import OperationFailed
-from ckptctl.server import (
+from ckptctl.inference_server import (
     CONTRACTS,
     EngineContract,
     ServerAddress,

@@ -37,7 +37,7 @@ from typing import Any
 from ckptctl.bounded_http import ResponseTooLarge
 from ckptctl.defaults import API_KEY_ENV
 from ckptctl.errors import DeadlineExceeded, InvalidInput, OperationFailed
-from ckptctl.server import (
+from ckptctl.inference_server import (
     ServerAddress,
     describe_failure,
     make_client,
@@ -62,32 +62,6 @@ VERIFY_HOWS = {
     "per-engine": "the same per-engine checksum on every server",
     "round-trip": "snapshot, reset_tensors, update, compare",
 }
-
-
-def requested(*, verify: bool, round_trip: bool, reset_confirmed: bool, engine: str) -> str | None:
-    """What the flags ask for: None, "auto" (--verify) or "round-trip"; usage errors (exit 2)
-    for combinations that cannot work, before anything starts."""
-    from ckptctl.errors import UsageError
-
-    if reset_confirmed and not round_trip:
-        raise UsageError("--reset-served-weights only goes with --verify-round-trip")
-    if not (verify or round_trip):
-        return None
-    if verify and round_trip:
-        raise UsageError("give one of --verify and --verify-round-trip, not both")
-    if engine != "sglang":
-        raise UsageError(
-            "--verify needs --engine sglang: vLLM has no released weights checker "
-            "(vllm-project/vllm#52689 proposes one)"
-        )
-    if round_trip and not reset_confirmed:
-        raise UsageError(
-            "--verify-round-trip overwrites the served weights with random values before the "
-            "update (SGLang's reset_tensors), so the server answers garbage until the update "
-            "lands, and keeps doing so if it fails. Use it only on a server started from this "
-            "checkpoint, and confirm with --reset-served-weights"
-        )
-    return "round-trip" if round_trip else "auto"
 
 
 # -- talking to the checker ------------------------------------------------------------------

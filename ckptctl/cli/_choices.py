@@ -1,4 +1,5 @@
-"""Enumerated flag values (Typer shows them in --help and completes them)."""
+"""Enumerated flag values (Typer shows them in --help and completes them); --update-method's
+is the request's own UpdateMethod (pipeline/request.py)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,6 @@ class SplitChoice(str, Enum):
     auto = "auto"
     files = "files"
     tensors = "tensors"
-
-
-class UpdateMethodChoice(str, Enum):
-    broadcast = "broadcast"
-    p2p = "p2p"
-    all = "all"
 
 
 class RegisterModeChoice(str, Enum):

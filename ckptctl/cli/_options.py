@@ -51,6 +51,11 @@ def at_least(low: float, high: float | None = None) -> Callable[[Any], Any]:
     return check
 
 
+def _opt(*names: str, panel: str, help: str, metavar: str = FLAG, **more: Any) -> Any:
+    """One flag's typer.Option: its names, metavar (FLAG: an on/off flag), panel and help."""
+    return typer.Option(*names, metavar=metavar, rich_help_panel=panel, help=help, **more)
+
+
 # -- every command ------------------------------------------------------------------------------
 
 
@@ -63,56 +68,41 @@ def show_help(ctx: typer.Context, value: bool) -> None:
 
 HelpOpt = Annotated[
     bool,
-    typer.Option(
+    _opt(
         "--help",
-        metavar=FLAG,
+        panel=OUTPUT,
+        help="Show this message (every option) and exit; -h: the short form.",
         is_eager=True,
         expose_value=False,
         callback=show_help,
-        rich_help_panel=OUTPUT,
-        help="Show this message (every option) and exit; -h: the short form.",
     ),
 ]
-
 JsonOpt = Annotated[
     bool,
-    typer.Option(
+    _opt(
         "--json",
-        metavar=FLAG,
-        rich_help_panel=OUTPUT,
+        panel=OUTPUT,
         help="Print exactly one JSON document on stdout, on every outcome: "
         '{"ok", "exit_code", "error", ...}. Logs go to stderr.',
     ),
 ]
 QuietOpt = Annotated[
     bool,
-    typer.Option(
-        "--quiet",
-        "-q",
-        metavar=FLAG,
-        rich_help_panel=OUTPUT,
-        help="No logs or progress; errors still go to stderr.",
-    ),
+    _opt("--quiet", "-q", panel=OUTPUT, help="No logs or progress; errors still go to stderr."),
 ]
 VerboseOpt = Annotated[
-    bool,
-    typer.Option(
-        "--verbose",
-        "-v",
-        metavar=FLAG,
-        rich_help_panel=OUTPUT,
-        help="Also show checkpoint-engine's own log.",
-    ),
+    bool, _opt("--verbose", "-v", panel=OUTPUT, help="Also show checkpoint-engine's own log.")
 ]
 
 # -- the inference server -----------------------------------------------------------------------
 
 
-def _from_env(name: str, metavar: str, envvar: str, help: str) -> Any:
-    """A server flag that a script may set once in the environment instead (shown in --help)."""
-    return typer.Option(
-        name, metavar=metavar, envvar=envvar, show_envvar=True, rich_help_panel=SERVER, help=help
-    )
+def _from_env(
+    name: str, metavar: str, envvar: str, help: str, panel: str = SERVER, **more: Any
+) -> Any:
+    """A flag that a script may set once in the environment instead (shown in --help)."""
+    return _opt(name, metavar=metavar, envvar=envvar, show_envvar=True, panel=panel, help=help,
+                **more)  # fmt: skip
 
 
 _ENDPOINT_HELP = "Base URL of the inference server"
@@ -151,98 +141,124 @@ UdsListOpt = Annotated[
 ]
 ApiKeyOpt = Annotated[
     str | None,
-    typer.Option(
+    _from_env(
         "--api-key",
-        metavar="KEY",
-        envvar=API_KEY_ENV,
-        show_envvar=True,
+        "KEY",
+        API_KEY_ENV,
+        "Bearer token for the server (SGLang --api-key or --admin-api-key, vLLM --api-key). "
+        "Prefer the environment variable: a flag shows in the process list. Never printed.",
         show_default=False,
-        rich_help_panel=SERVER,
-        help="Bearer token for the server (SGLang --api-key or --admin-api-key, vLLM "
-        "--api-key). Prefer the environment variable: a flag shows in the process list. "
-        "Never printed.",
     ),
 ]
 EngineOpt = Annotated[
     EngineChoice,
-    typer.Option(
-        "--engine",
-        metavar="ENGINE",
-        envvar=ENGINE_ENV,
-        show_envvar=True,
-        rich_help_panel=SERVER,
-        help="Which server speaks at the endpoint: sglang or vllm.",
+    _from_env(
+        "--engine", "ENGINE", ENGINE_ENV, "Which server speaks at the endpoint: sglang or vllm."
     ),
 ]
 WeightVersionOpt = Annotated[
     str | None,
-    typer.Option(
+    _opt(
         "--weight-version",
         metavar="VERSION",
-        rich_help_panel=SERVER,
+        panel=SERVER,
         help="Weight version string (SGLang records and reports it).",
     ),
 ]
 InferenceParallelSizeOpt = Annotated[
     int,
-    typer.Option(
+    _opt(
         "--inference-parallel-size",
         metavar="N",
         callback=at_least(1),
-        rich_help_panel=SERVER,
+        panel=SERVER,
         help="GPUs of each inference server (its TP size): ranks are grouped by it and the "
         "first rank of each group talks to that group's server.",
     ),
 ]
-TimeoutOpt = Annotated[
+
+
+def _timeout(low: float, panel: str, help: str) -> Any:
+    return _opt("--timeout", metavar="SECONDS", callback=at_least(low), panel=panel, help=help)
+
+
+TimeoutOpt = Annotated[float, _timeout(0, TRANSFER, "Give up after this many seconds (exit 4).")]
+# push and rollback: how long the command waits for the job's answer.
+AnswerTimeoutOpt = Annotated[
     float,
-    typer.Option(
-        "--timeout",
-        metavar="SECONDS",
-        callback=at_least(0),
-        rich_help_panel=TRANSFER,
-        help="Give up after this many seconds (exit 4).",
+    _timeout(
+        1,
+        WAITING,
+        "Seconds to wait for the job's answer (exit 4); the serve job bounds each push by its "
+        "own --push-timeout.",
     ),
 ]
 
 # -- the checkpoint (update, save-metas, join) --------------------------------------------------
 
-CheckpointPathOpt = Annotated[
-    Path,
-    typer.Option(
+
+def _checkpoint_path(more: str = "") -> Any:
+    return _opt(
         "--checkpoint-path",
         metavar="DIR",
         show_default=False,
-        rich_help_panel=CHECKPOINT,
+        panel=CHECKPOINT,
         help="Checkpoint directory: safetensors shards with their index.json, one "
-        "model.safetensors, or a directory of .safetensors files.",
-    ),
+        "model.safetensors, or a directory of .safetensors files." + more,
+    )
+
+
+CheckpointPathOpt = Annotated[Path, _checkpoint_path()]
+# update: a checkpoint, or --load-metas-file to join.
+CheckpointPathOrJoinOpt = Annotated[
+    Path | None, _checkpoint_path(" Required unless --load-metas-file is given.")
 ]
-CheckpointNameOpt = Annotated[
-    str,
-    typer.Option(
-        "--checkpoint-name",
-        metavar="NAME",
-        rich_help_panel=CHECKPOINT,
-        help="Name the checkpoint is registered under.",
+
+
+def _checkpoint_name(help: str) -> Any:
+    return _opt("--checkpoint-name", metavar="NAME", panel=CHECKPOINT, help=help)
+
+
+CheckpointNameOpt = Annotated[str, _checkpoint_name("Name the checkpoint is registered under.")]
+PushNameOpt = Annotated[
+    str | None, _checkpoint_name("Name to register it under (default: push-N).")
+]
+
+
+def _load_metas_file(help: str) -> Any:
+    return _opt(
+        "--load-metas-file", metavar="FILE", show_default=False, panel=CHECKPOINT, help=help
+    )
+
+
+LoadMetasFileOpt = Annotated[
+    Path,
+    _load_metas_file("Metas file written by `ckptctl save-metas` (or `update --save-metas-file`)."),
+]
+# update --load-metas-file: the seed script's join mode.
+JoinFromMetasOpt = Annotated[
+    Path | None,
+    _load_metas_file(
+        "Join instead: pull the weights over p2p from the holders this metas file names (as "
+        "`ckptctl join`); no checkpoint is read."
     ),
 ]
 SplitOpt = Annotated[
     SplitChoice,
-    typer.Option(
+    _opt(
         "--split",
         metavar="MODE",
-        rich_help_panel=CHECKPOINT,
+        panel=CHECKPOINT,
         help="files: whole files per rank; tensors: single tensors per rank; auto: "
         "whichever leaves the largest rank smaller (ties: files). Both balance bytes.",
     ),
 ]
 RegisterModeOpt = Annotated[
     RegisterModeChoice,
-    typer.Option(
+    _opt(
         "--register-mode",
         metavar="MODE",
-        rich_help_panel=CHECKPOINT,
+        panel=CHECKPOINT,
         help="How each rank's share reaches pinned memory. direct: read straight into buffers "
         "pinned in place (the fastest, and half the host memory); engine: checkpoint-engine "
         "copies it from the file mapping into buffers it allocates.",
@@ -250,22 +266,21 @@ RegisterModeOpt = Annotated[
 ]
 ReadThreadsOpt = Annotated[
     int | None,
-    typer.Option(
+    _opt(
         "--read-threads",
         metavar="N",
         callback=at_least(1, 256),
         show_default=False,
-        rich_help_panel=CHECKPOINT,
+        panel=CHECKPOINT,
         help="Threads each rank reads its share with (--register-mode direct). Default: the "
         "CPU cores it may use over the ranks on its node, at most 16.",
     ),
 ]
 ConsumeShmOpt = Annotated[
     bool,
-    typer.Option(
+    _opt(
         "--consume-shm-files",
-        metavar=FLAG,
-        rich_help_panel=CHECKPOINT,
+        panel=CHECKPOINT,
         help="For a checkpoint a trainer wrote into /dev/shm to be consumed: "
         "checkpoint-engine pins each .safetensors file in place and DELETES it (no second "
         "copy in memory). Each rank takes whole files. Without this flag ckptctl never "
@@ -274,10 +289,9 @@ ConsumeShmOpt = Annotated[
 ]
 AllowPickleOpt = Annotated[
     bool,
-    typer.Option(
+    _opt(
         "--allow-pickle",
-        metavar=FLAG,
-        rich_help_panel=CHECKPOINT,
+        panel=CHECKPOINT,
         help="Also read a legacy pickle metas file, through a restricted unpickler that "
         "admits only checkpoint-engine's data models, torch dtypes and sizes.",
     ),
@@ -287,45 +301,54 @@ AllowPickleOpt = Annotated[
 
 BucketSizeOpt = Annotated[
     float | None,
-    typer.Option(
+    _opt(
         "--bucket-size-gb",
         metavar="N",
         callback=at_least(0.001),
         show_default=False,
-        rich_help_panel=TRANSFER,
+        panel=TRANSFER,
         help="Largest transfer bucket, in units of 2^30 bytes (GiB, as checkpoint-engine's "
         "PS_MAX_BUCKET_SIZE_GB counts; its default is 8).",
     ),
 ]
 MemFractionOpt = Annotated[
     float | None,
-    typer.Option(
+    _opt(
         "--mem-fraction",
         metavar="FRACTION",
         callback=at_least(0.01, 1.0),
         show_default=False,
-        rich_help_panel=TRANSFER,
+        panel=TRANSFER,
         help="Share of free GPU memory the transfer buffers may use (checkpoint-engine's "
         "PS_MEM_FRACTION; its default is 0.9).",
     ),
 ]
+
+
+def _sleep_time(help: str, **more: Any) -> Any:
+    return _opt("--sleep-time", metavar="SECONDS", callback=at_least(0), panel=TRANSFER, help=help,
+                **more)  # fmt: skip
+
+
 SleepTimeOpt = Annotated[
-    float,
-    typer.Option(
-        "--sleep-time",
-        metavar="SECONDS",
-        callback=at_least(0),
-        rich_help_panel=TRANSFER,
-        help="Seconds to stay alive after the update, serving the registered weights.",
+    float, _sleep_time("Seconds to stay alive after the update, serving the registered weights.")
+]
+# save-metas: until a signal unless given.
+HoldTimeOpt = Annotated[
+    float | None,
+    _sleep_time(
+        "Serve the weights for this many seconds, then unregister and exit 0. Default: until "
+        "SIGTERM or SIGINT (then the same, cleanly).",
+        show_default=False,
     ),
 ]
 PushTimeoutOpt = Annotated[
     float,
-    typer.Option(
+    _opt(
         "--push-timeout",
         metavar="SECONDS",
         callback=at_least(1),
-        rich_help_panel=TRANSFER,
+        panel=TRANSFER,
         help="Seconds one push may take (it fails with exit 4 past that; the job goes on).",
     ),
 ]
@@ -334,28 +357,57 @@ PushTimeoutOpt = Annotated[
 
 ControlSocketOpt = Annotated[
     str | None,
-    typer.Option(
+    _from_env(
         "--control-socket",
-        metavar="PATH",
-        envvar=CONTROL_SOCKET_ENV,
-        show_envvar=True,
-        show_default=False,
-        rich_help_panel=SERVE_JOB,
+        "PATH",
+        CONTROL_SOCKET_ENV,
         # (No square brackets: help text is Rich markup, where [..] is a style tag.)
-        help="Unix socket of this node's control endpoint. Default: serve-DIGEST.sock, "
-        "named after the servers, in $XDG_RUNTIME_DIR/ckptctl/ or /tmp/ckptctl-UID/.",
+        "Unix socket of this node's control endpoint. Default: serve-DIGEST.sock, named after "
+        "the servers, in $XDG_RUNTIME_DIR/ckptctl/ or /tmp/ckptctl-UID/.",
+        SERVE_JOB,
+        show_default=False,
     ),
 ]
 
+
+def _which_job(name: str, metavar: str, envvar: str, help: str) -> Any:
+    """A client's flag (push, rollback, status, stop): which serve job on this node."""
+    return _from_env(name, metavar, envvar, help, SERVE_JOB, show_default=False)
+
+
+JobSocketOpt = Annotated[
+    str | None,
+    _which_job(
+        "--control-socket",
+        "PATH",
+        CONTROL_SOCKET_ENV,
+        "The serve job's control socket. Default: that of the job feeding --endpoint, or "
+        "your only serve job on this node.",
+    ),
+]
+FindEndpointOpt = Annotated[
+    list[str] | None,
+    _which_job(
+        "--endpoint",
+        "URL",
+        ENDPOINT_ENV,
+        "Talk to the serve job that feeds this server (where several run here).",
+    ),
+]
+FindUdsOpt = Annotated[
+    list[str] | None,
+    _which_job(
+        "--uds", "PATH", UDS_ENV, "Talk to the serve job that feeds the server on this Unix socket."
+    ),
+]
 
 # -- --verify (ckptctl/verify.py) -----------------------------------------------------------------
 
 VerifyOpt = Annotated[
     bool,
-    typer.Option(
+    _opt(
         "--verify",
-        metavar=FLAG,
-        rich_help_panel=VERIFY,
+        panel=VERIFY,
         help="After the update, prove that the servers hold it, through SGLang's weights "
         "checker: the SHA-256 of every tensor where a server offers compare_checksum, else "
         "the same per-engine checksum on every server fed (SGLang >= 0.5.12, two or more "
@@ -365,10 +417,9 @@ VerifyOpt = Annotated[
 ]
 VerifyRoundTripOpt = Annotated[
     bool,
-    typer.Option(
+    _opt(
         "--verify-round-trip",
-        metavar=FLAG,
-        rich_help_panel=VERIFY,
+        panel=VERIFY,
         help="For the first update of a run, into a server started from this same checkpoint: "
         "snapshot its weights, reset them to random values, update, and have it compare "
         "(SGLang >= 0.5.12). Needs --reset-served-weights.",
@@ -376,10 +427,9 @@ VerifyRoundTripOpt = Annotated[
 ]
 ResetServedWeightsOpt = Annotated[
     bool,
-    typer.Option(
+    _opt(
         "--reset-served-weights",
-        metavar=FLAG,
-        rich_help_panel=VERIFY,
+        panel=VERIFY,
         help="Confirm --verify-round-trip: the server serves random weights from the reset "
         "until the update lands, and keeps them if the update fails.",
     ),

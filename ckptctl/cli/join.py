@@ -4,9 +4,7 @@ server."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
-
-import typer
+from typing import TYPE_CHECKING
 
 from ckptctl.cli._choices import EngineChoice
 from ckptctl.cli._observe_options import (
@@ -17,7 +15,6 @@ from ckptctl.cli._observe_options import (
     want_trace,
 )
 from ckptctl.cli._options import (
-    CHECKPOINT,
     AllowPickleOpt,
     ApiKeyOpt,
     CheckpointNameOpt,
@@ -26,6 +23,7 @@ from ckptctl.cli._options import (
     HelpOpt,
     InferenceParallelSizeOpt,
     JsonOpt,
+    LoadMetasFileOpt,
     QuietOpt,
     TimeoutOpt,
     UdsListOpt,
@@ -36,18 +34,12 @@ from ckptctl.cli._options import (
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 
+if TYPE_CHECKING:
+    from ckptctl.pipeline.request import TransferRequest
+
 
 def join_command(
-    load_metas_file: Annotated[
-        Path,
-        typer.Option(
-            "--load-metas-file",
-            metavar="FILE",
-            show_default=False,
-            rich_help_panel=CHECKPOINT,
-            help="Metas file written by `ckptctl save-metas` (or `update --save-metas-file`).",
-        ),
-    ],
+    load_metas_file: LoadMetasFileOpt,
     checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
     allow_pickle: AllowPickleOpt = False,
     endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
@@ -70,29 +62,29 @@ def join_command(
     Needs one GPU per rank (torchrun), mooncake and RDMA here, and a metas file with p2p store
     addresses. Whatever is missing is reported (exit 3) before the server is touched.
     """
-    from ckptctl.cli._job_view import run_job_with_display
-    from ckptctl.pipeline.groups import ServerTargets
-    from ckptctl.pipeline.metas_jobs import JoinOptions, run_join
-    from ckptctl.verify import requested
+    from ckptctl.pipeline.request import UpdateMethod, resolve, verify_ways
 
+    ways = verify_ways(verify=verify, round_trip=False, reset_confirmed=False, engine=engine.value)
+    request = resolve(
+        (endpoint, uds, api_key, engine.value, inference_parallel_size),
+        weight_version=weight_version,
+        checkpoint_name=checkpoint_name,
+        update_method=UpdateMethod.p2p,  # over p2p, from the holders
+        verify=ways,
+        timeout=timeout,
+    )
     out = Output(json_mode=json_output, quiet=quiet)
     use_log_format(out, log_format)
     want_trace(out, trace)
-    wanted = requested(verify=verify, round_trip=False, reset_confirmed=False, engine=engine.value)
-    opts = JoinOptions(
-        load_metas_file=str(load_metas_file),
-        checkpoint_name=checkpoint_name,
-        servers=ServerTargets.from_flags(
-            endpoints=endpoint,
-            uds=uds,
-            api_key=api_key,
-            engine=engine.value,
-            parallel_size=inference_parallel_size,
-            weight_version=weight_version,
-        ),
-        allow_pickle=allow_pickle,
-        timeout=timeout,
-        verify=wanted is not None,
-        verbose=verbose,
-    )
+    run_join_job(out, load_metas_file, request, allow_pickle, verbose)
+
+
+def run_join_job(
+    out: Output, metas_file: Path, request: TransferRequest, allow_pickle: bool, verbose: bool
+) -> None:
+    """`join`, and `update --load-metas-file`: the job itself, on this rank."""
+    from ckptctl.cli._job_view import run_job_with_display
+    from ckptctl.pipeline.metas_jobs import JoinOptions, run_join
+
+    opts = JoinOptions(str(metas_file), request, allow_pickle=allow_pickle, verbose=verbose)
     run_job_with_display(run_join, opts, out)

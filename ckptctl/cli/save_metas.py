@@ -11,10 +11,10 @@ from ckptctl.cli._choices import RegisterModeChoice, SplitChoice
 from ckptctl.cli._observe_options import LogFormatChoice, LogFormatOpt, use_log_format
 from ckptctl.cli._options import (
     CHECKPOINT,
-    TRANSFER,
     CheckpointNameOpt,
     CheckpointPathOpt,
     HelpOpt,
+    HoldTimeOpt,
     JsonOpt,
     QuietOpt,
     ReadThreadsOpt,
@@ -22,7 +22,6 @@ from ckptctl.cli._options import (
     SplitOpt,
     TimeoutOpt,
     VerboseOpt,
-    at_least,
 )
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME
@@ -45,18 +44,7 @@ def save_metas_command(
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
-    sleep_time: Annotated[
-        float | None,
-        typer.Option(
-            "--sleep-time",
-            metavar="SECONDS",
-            callback=at_least(0),
-            show_default=False,
-            rich_help_panel=TRANSFER,
-            help="Serve the weights for this many seconds, then unregister and exit 0. "
-            "Default: until SIGTERM or SIGINT (then the same, cleanly).",
-        ),
-    ] = None,
+    sleep_time: HoldTimeOpt = None,
     timeout: TimeoutOpt = 600,
     log_format: LogFormatOpt = LogFormatChoice.text,
     verbose: VerboseOpt = False,
@@ -71,19 +59,20 @@ def save_metas_command(
     not the serving.
     """
     from ckptctl.cli._job_view import run_job_with_display
+    from ckptctl.pipeline.groups import ServerTargets
     from ckptctl.pipeline.metas_jobs import SaveMetasOptions, run_save_metas
+    from ckptctl.pipeline.request import RegisterMode, TransferRequest
 
     out = Output(json_mode=json_output, quiet=quiet)
     use_log_format(out, log_format)
-    opts = SaveMetasOptions(
+    request = TransferRequest(
+        ServerTargets(),  # (none: it holds the weights for joiners)
         checkpoint_path=str(checkpoint_path),
-        metas_file=str(metas_file),
         checkpoint_name=checkpoint_name,
         split=split.value,
-        sleep_time=sleep_time,
-        timeout=timeout,
-        register_mode=register_mode.value,
+        register_mode=RegisterMode(register_mode.value),
         read_threads=read_threads,
-        verbose=verbose,
+        timeout=timeout,
     )
+    opts = SaveMetasOptions(request, str(metas_file), sleep_time=sleep_time, verbose=verbose)
     run_job_with_display(run_save_metas, opts, out)

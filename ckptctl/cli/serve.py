@@ -24,9 +24,9 @@ from ckptctl.cli._observe_options import (
 from ckptctl.cli._options import (
     FLAG,
     OUTPUT,
-    SERVE_JOB,
     TRANSFER,
     WAITING,
+    AnswerTimeoutOpt,
     ApiKeyOpt,
     BucketSizeOpt,
     CheckpointPathOpt,
@@ -34,10 +34,14 @@ from ckptctl.cli._options import (
     ControlSocketOpt,
     EndpointsOpt,
     EngineOpt,
+    FindEndpointOpt,
+    FindUdsOpt,
     HelpOpt,
     InferenceParallelSizeOpt,
+    JobSocketOpt,
     JsonOpt,
     MemFractionOpt,
+    PushNameOpt,
     PushTimeoutOpt,
     QuietOpt,
     ReadThreadsOpt,
@@ -50,51 +54,9 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.defaults import CONTROL_SOCKET_ENV, ENDPOINT_ENV, PUSH_LOG_SIZE, UDS_ENV
+from ckptctl.defaults import PUSH_LOG_SIZE
 from ckptctl.errors import CkptctlError, UsageError, redact
 
-
-def _which_job(name: str, metavar: str, envvar: str, help: str) -> Any:
-    """A client's flag that says which serve job on this node to talk to."""
-    return typer.Option(
-        name,
-        metavar=metavar,
-        envvar=envvar,
-        show_envvar=True,
-        show_default=False,
-        rich_help_panel=SERVE_JOB,
-        help=help,
-    )
-
-
-JobSocketOpt = Annotated[
-    str | None,
-    _which_job(
-        "--control-socket",
-        "PATH",
-        CONTROL_SOCKET_ENV,
-        "The serve job's control socket. Default: that of the job feeding --endpoint, or "
-        "your only serve job on this node.",
-    ),
-]
-FindEndpointOpt = Annotated[
-    list[str] | None,
-    _which_job(
-        "--endpoint",
-        "URL",
-        ENDPOINT_ENV,
-        "Talk to the serve job that feeds this server (where several run here).",
-    ),
-]
-FindUdsOpt = Annotated[
-    list[str] | None,
-    _which_job(
-        "--uds",
-        "PATH",
-        UDS_ENV,
-        "Talk to the serve job that feeds the server on this Unix socket.",
-    ),
-]
 WaitOpt = Annotated[
     float,
     typer.Option(
@@ -104,19 +66,6 @@ WaitOpt = Annotated[
         rich_help_panel=WAITING,
         help="Wait up to this many seconds for the serve job to answer (it starts for a while "
         "after `serve &`); exit 4 if it does not.",
-    ),
-]
-
-# push and rollback: how long the command waits for the job's answer.
-AnswerTimeoutOpt = Annotated[
-    float,
-    typer.Option(
-        "--timeout",
-        metavar="SECONDS",
-        callback=at_least(1),
-        rich_help_panel=WAITING,
-        help="Seconds to wait for the job's answer (exit 4); the serve job bounds each push by "
-        "its own --push-timeout.",
     ),
 ]
 
@@ -185,34 +134,28 @@ def serve_command(
     unchanged), so that the server ends whole on the previous version.
     """
     from ckptctl.cli._job_view import run_job_with_display
-    from ckptctl.pipeline.groups import ServerTargets
+    from ckptctl.pipeline.request import RegisterMode, resolve
     from ckptctl.pipeline.serve.run import ServeOptions, run_serve
 
-    if drop_page_cache and register_mode != RegisterModeChoice.direct:
-        raise UsageError(
-            "--drop-page-cache needs --register-mode direct (checkpoint-engine's copy reads "
-            "through the file mapping)"
-        )
     if metrics_port is not None:
         from ckptctl.observe.metrics import missing_package
 
         if missing_package():
             raise UsageError(str(missing_package()))
+    request = resolve(
+        (endpoint, uds, api_key, engine.value, inference_parallel_size),
+        split=split.value,
+        register_mode=RegisterMode(register_mode.value),
+        read_threads=read_threads,
+        timeout=push_timeout,
+        timeout_flag="serve --push-timeout",
+        drop_page_cache=drop_page_cache,
+    )
     out = Output(json_mode=json_output, quiet=quiet)
     use_log_format(out, log_format)
     opts = ServeOptions(
-        servers=ServerTargets.from_flags(
-            endpoints=endpoint,
-            uds=uds,
-            api_key=api_key,
-            engine=engine.value,
-            parallel_size=inference_parallel_size,
-            weight_version=None,
-        ),
+        request=request,
         control_socket=control_socket,
-        split=split.value,
-        register_mode=register_mode.value,
-        read_threads=read_threads,
         push_timeout=push_timeout,
         server_wait=server_wait,
         restore=not no_restore,
@@ -228,15 +171,7 @@ def serve_command(
 def push_command(
     checkpoint_path: CheckpointPathOpt,
     weight_version: WeightVersionOpt = None,
-    checkpoint_name: Annotated[
-        str | None,
-        typer.Option(
-            "--checkpoint-name",
-            metavar="NAME",
-            rich_help_panel="Checkpoint",
-            help="Name to register it under (default: push-N).",
-        ),
-    ] = None,
+    checkpoint_name: PushNameOpt = None,
     consume_shm_files: ConsumeShmOpt = False,
     verify: VerifyOpt = False,
     allow_layout_change: Annotated[

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice, UpdateMethodChoice
+from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
 from ckptctl.cli._observe_options import (
     LogFormatChoice,
     LogFormatOpt,
@@ -28,11 +28,13 @@ from ckptctl.cli._options import (
     ApiKeyOpt,
     BucketSizeOpt,
     CheckpointNameOpt,
+    CheckpointPathOrJoinOpt,
     ConsumeShmOpt,
     EndpointsOpt,
     EngineOpt,
     HelpOpt,
     InferenceParallelSizeOpt,
+    JoinFromMetasOpt,
     JsonOpt,
     MemFractionOpt,
     QuietOpt,
@@ -53,9 +55,10 @@ from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
 from ckptctl.launch import LaunchInfo, launch_info
+from ckptctl.pipeline.request import UpdateMethod
 
 if TYPE_CHECKING:
-    from ckptctl.pipeline.groups import ServerTargets
+    from ckptctl.pipeline.request import TransferRequest
 
 
 DRY_RUN_NODE_SIZE = 8  # ranks per node a dry run takes without --nproc-per-node
@@ -74,18 +77,7 @@ def resolve_world_size(launch: LaunchInfo, flag: int | None, default: int = 1) -
 
 
 def update_command(
-    checkpoint_path: Annotated[
-        Path | None,
-        typer.Option(
-            "--checkpoint-path",
-            metavar="DIR",
-            show_default=False,
-            rich_help_panel=CHECKPOINT,
-            help="Checkpoint directory: safetensors shards with their index.json, one "
-            "model.safetensors, or a directory of .safetensors files. Required unless "
-            "--load-metas-file is given.",
-        ),
-    ] = None,
+    checkpoint_path: CheckpointPathOrJoinOpt = None,
     checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
     split: SplitOpt = SplitChoice.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
@@ -100,17 +92,7 @@ def update_command(
             help="Also write the gathered metas to this file.",
         ),
     ] = None,
-    load_metas_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--load-metas-file",
-            metavar="FILE",
-            show_default=False,
-            rich_help_panel=CHECKPOINT,
-            help="Join instead: pull the weights over p2p from the holders this metas file "
-            "names (as `ckptctl join`); no checkpoint is read.",
-        ),
-    ] = None,
+    load_metas_file: JoinFromMetasOpt = None,
     allow_pickle: AllowPickleOpt = False,
     endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
     uds: UdsListOpt = None,
@@ -119,7 +101,7 @@ def update_command(
     api_key: ApiKeyOpt = None,
     weight_version: WeightVersionOpt = None,
     update_method: Annotated[
-        UpdateMethodChoice,
+        UpdateMethod,
         typer.Option(
             "--update-method",
             metavar="METHOD",
@@ -127,7 +109,7 @@ def update_command(
             help="How weights reach the server's GPUs. broadcast: over NCCL from every "
             "rank; p2p: over RDMA (needs mooncake); all: both, one after the other.",
         ),
-    ] = UpdateMethodChoice.broadcast,
+    ] = UpdateMethod.broadcast,
     bucket_size_gb: BucketSizeOpt = None,
     mem_fraction: MemFractionOpt = None,
     timeout: TimeoutOpt = 600,
@@ -187,70 +169,45 @@ def update_command(
     # default --inference-parallel-size 8 before the checkpoint is even looked at.
     world = resolve_world_size(launch, world_size, inference_parallel_size if dry_run else 1)
 
-    if load_metas_file is not None and (dry_run or save_metas_file is not None):
-        raise UsageError(
-            "--load-metas-file (join) goes with neither --dry-run nor --save-metas-file"
-        )
-    if load_metas_file is None and checkpoint_path is None:
-        raise UsageError("--checkpoint-path is required (or --load-metas-file, to join)")
-    from ckptctl.verify import requested
+    from ckptctl.pipeline.request import RegisterMode, check_update_flags, resolve
 
-    verify_how = requested(
+    ways = check_update_flags(
+        checkpoint_path=checkpoint_path,
+        load_metas_file=load_metas_file,
+        save_metas_file=save_metas_file,
+        dry_run=dry_run,
         verify=verify,
         round_trip=verify_round_trip,
         reset_confirmed=reset_served_weights,
         engine=engine.value,
+        world_size=world_size,
+        nproc_per_node=nproc_per_node,
+        under_torchrun=launch.under_torchrun,
     )
-    if verify_how is not None and dry_run:
-        raise UsageError("--verify and --verify-round-trip go with an update, not --dry-run")
-    if verify_how == "round-trip" and load_metas_file is not None:
-        raise UsageError("--verify-round-trip goes with an update from files, not a join")
-    if load_metas_file is not None:  # the seed script's join mode: `update.py --load-metas-file F`
-        from ckptctl.cli.join import join_command
-
-        return join_command(
-            load_metas_file=load_metas_file,
-            endpoint=endpoint,
-            uds=uds,
-            inference_parallel_size=inference_parallel_size,
-            checkpoint_name=checkpoint_name,
-            engine=engine,
-            weight_version=weight_version,
-            allow_pickle=allow_pickle,
-            timeout=timeout,
-            api_key=api_key,
-            verify=verify,
-            trace=trace,
-            log_format=log_format,
-            verbose=verbose,
-            json_output=json_output,
-            quiet=quiet,
-        )
-    assert checkpoint_path is not None
-    if not dry_run and not launch.under_torchrun:
-        for flag, value in (("--world-size", world_size), ("--nproc-per-node", nproc_per_node)):
-            if value is not None:
-                raise UsageError(
-                    f"{flag} only goes with --dry-run: start one rank per GPU with torchrun"
-                )
-    from ckptctl.pipeline.groups import ServerTargets
-
-    servers = ServerTargets.from_flags(
-        endpoints=endpoint,
-        uds=uds,
-        api_key=api_key,
-        engine=engine.value,
-        parallel_size=inference_parallel_size,
+    joining = load_metas_file is not None
+    request = resolve(
+        (endpoint, uds, api_key, engine.value, inference_parallel_size),
         weight_version=weight_version,
+        checkpoint_path=None if joining else str(checkpoint_path),
+        checkpoint_name=checkpoint_name,
+        split=split.value,
+        register_mode=RegisterMode(register_mode.value),
+        consume=consume_shm_files and not joining,
+        read_threads=read_threads,
+        update_method=UpdateMethod.p2p if joining else update_method,
+        verify=ways,
+        timeout=timeout,
     )
-    mode = "consume" if consume_shm_files else register_mode.value
+    if load_metas_file is not None:  # the seed script's join mode: `update.py --load-metas-file F`
+        from ckptctl.cli.join import run_join_job
+
+        want_trace(out, trace)
+        return run_join_job(out, load_metas_file, request, allow_pickle, verbose)
     if dry_run:
         if trace is not None:
             raise UsageError("--trace goes with an update, not --dry-run")
         world_given = world_size is not None or launch.under_torchrun
-        plan_dry_run(
-            out, launch, servers, checkpoint_path, split.value, mode, world, nproc_per_node
-        )
+        plan_dry_run(out, launch, request, world, nproc_per_node)
         if not world_given:
             out.log(
                 f"dry run: planned one server group of {world} rank(s) "
@@ -265,19 +222,11 @@ def update_command(
     want_trace(out, trace)
 
     opts = UpdateOptions(
-        checkpoint_path=str(checkpoint_path),
-        checkpoint_name=checkpoint_name,
-        servers=servers,
-        update_method=update_method.value,
-        split=split.value,
+        request=request,
         save_metas_file=str(save_metas_file) if save_metas_file else None,
         sleep_time=float(sleep_time),
-        timeout=timeout,
         bucket_size_gb=bucket_size_gb,
         mem_fraction=mem_fraction,
-        register_mode=mode,
-        read_threads=read_threads,
-        verify=verify_how,
         verbose=verbose,
     )
     run_job_with_display(run_update, opts, out)
@@ -287,19 +236,18 @@ def update_command(
 def plan_dry_run(
     out: Output,
     launch: LaunchInfo,
-    servers: ServerTargets,
-    checkpoint_path: Path,
-    split: str,
-    register_mode: str,
+    request: TransferRequest,
     world: int,
     nproc_flag: int | None,
 ) -> None:
     """The dry run: every check the real run makes before it loads anything (flags, server
     groups, --consume-shm-files), then the split and the groups, printed."""
     from ckptctl.checkpoint import plan_split, read_checkpoint
+    from ckptctl.checkpoint.consume import check_consumable
     from ckptctl.cli._plan_view import show_plan
-    from ckptctl.pipeline.update import check_consumable, check_consume
+    from ckptctl.pipeline.request import RegisterMode
 
+    servers = request.servers
     per_node = resolve_nproc_per_node(launch, nproc_flag, world)
     try:
         groups = servers.plan(world, per_node)
@@ -311,10 +259,10 @@ def plan_dry_run(
             f"{exc} (the dry run took {per_node} ranks per node: give --nproc-per-node "
             "for another layout)"
         ) from None
-    split = check_consume(str(checkpoint_path), register_mode, split)
-    checkpoint = read_checkpoint(checkpoint_path)
-    plan = plan_split(checkpoint, world, split)  # type: ignore[arg-type]
-    if register_mode == "consume":
+    assert request.checkpoint_path is not None
+    checkpoint = read_checkpoint(request.checkpoint_path)
+    plan = plan_split(checkpoint, world, request.split)
+    if request.register_mode is RegisterMode.consume:
         check_consumable(plan)  # (imports torch: only for --consume-shm-files)
     show_plan(out, plan, groups)
 

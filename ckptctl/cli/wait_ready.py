@@ -94,8 +94,8 @@ def wait_ready_command(
     """
     from rich.text import Text
 
+    from ckptctl.inference_server import ServerAddress, check_endpoint
     from ckptctl.readiness import Prober, wait_ready
-    from ckptctl.server import ServerAddress, check_endpoint
 
     out = Output(json_mode=json_output, quiet=quiet)
     if weight_version is not None and engine is EngineChoice.vllm:

@@ -58,7 +58,7 @@ FAILURE_CODES = frozenset({ExitCode.FAILED, ExitCode.INVALID_INPUT, ExitCode.TIM
 def _notice(raw: bytes | str, text_field: str, what: str) -> tuple[dict[str, Any], Any, str]:
     """(document, rank, text) of a notice read from the store: the rank an int (else "?"),
     the text one clean line (no terminal escapes reach the operator's screen)."""
-    from ckptctl.server import one_line
+    from ckptctl.inference_server import one_line
 
     try:
         doc = json.loads(raw)
@@ -234,7 +234,7 @@ class Coordinator:
     # A signal to one rank stops every rank: that rank publishes the stop, the others read it.
     # Whoever reaches the store's port can write one too, and nothing in the store tells the two
     # apart. So only a rank's own signal (or its own --sleep-time) ends it with success; a rank
-    # that only read the stop ends with 130 (stages.serve), its reason one clean line.
+    # that only read the stop ends with 130 (stages.hold_for_joiners), its reason one clean line.
     def publish_stop(self, reason: str) -> None:
         self.store.compare_set("stop", "", json.dumps({"reason": reason, "rank": self.launch.rank}))
 

@@ -9,12 +9,12 @@ the group's server. Several servers may run on one node (four TP2 servers on eig
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptctl.defaults import DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
+from ckptctl.inference_server import ServerAddress
 from ckptctl.launch import LaunchInfo
-from ckptctl.server import ServerAddress
 
 
 @dataclass(frozen=True)
@@ -103,33 +103,6 @@ class GroupPlan:
         }
 
 
-def plan_groups(
-    *,
-    world_size: int,
-    local_world_size: int,
-    parallel_size: int,
-    endpoints: list[str],
-    uds: list[str],
-) -> list[GroupPlan]:
-    """Every group of a job of `world_size` ranks, `local_world_size` per node, and the server
-    its leader talks to: what each rank's `assign_group` decides, worked out for all of them
-    at once (the dry run shows it; it refuses what a real run would refuse)."""
-    local = max(min(local_world_size, world_size), 1)
-    out = []
-    for leader in range(0, world_size, max(parallel_size, 1)):
-        a = assign_group(
-            rank=leader,
-            world_size=world_size,
-            local_world_size=local,
-            parallel_size=parallel_size,
-            endpoints=endpoints,
-            uds=uds,
-        )
-        assert a.address is not None  # a leader always has one
-        out.append(GroupPlan(a.group, a.members, leader // local, a.address))
-    return out
-
-
 def group_handles(socket_paths: list[tuple[str, str]], members: tuple[int, ...]) -> dict[str, str]:
     """checkpoint-engine gives (device uuid, zmq path) for every rank, in rank order."""
     return dict(socket_paths[members[0] : members[-1] + 1])
@@ -149,7 +122,6 @@ class ServerTargets:
     @classmethod
     def from_flags(
         cls,
-        *,
         endpoints: Sequence[str] | None,
         uds: Sequence[str] | None,
         api_key: str | None,
@@ -161,7 +133,7 @@ class ServerTargets:
             raise UsageError(
                 "--weight-version needs --engine sglang: vLLM records no weight version"
             )
-        from ckptctl.server import check_endpoint
+        from ckptctl.inference_server import check_endpoint
 
         return cls(
             tuple(check_endpoint(e) for e in endpoints or (DEFAULT_ENDPOINT,)),
@@ -173,13 +145,19 @@ class ServerTargets:
         )
 
     def plan(self, world_size: int, local_world_size: int) -> list[GroupPlan]:
-        return plan_groups(
-            world_size=world_size,
-            local_world_size=local_world_size,
-            parallel_size=self.parallel_size,
-            endpoints=list(self.endpoints),
-            uds=list(self.uds),
-        )
+        """Every group of a job of `world_size` ranks, `local_world_size` per node, and the
+        server its leader talks to: what each rank's `assign` decides, for all of them at once
+        (the dry run shows it; it refuses what a real run would refuse)."""
+        local = max(min(local_world_size, world_size), 1)
+        keyless = replace(self, api_key=None)  # (the plan shows no key)
+        out = []
+        for leader in range(0, world_size, max(self.parallel_size, 1)):
+            a = keyless.assign(
+                LaunchInfo(rank=leader, world_size=world_size, local_world_size=local)
+            )
+            assert a.address is not None  # a leader always has one
+            out.append(GroupPlan(a.group, a.members, leader // local, a.address))
+        return out
 
     def assign(self, launch: LaunchInfo) -> GroupAssignment:
         return assign_group(

@@ -1,37 +1,31 @@
 """`save-metas` (hold a registered checkpoint for joiners) and `join` (pull it over p2p).
 
-save-metas: split → register → gather → write the metas file (rank 0) → serve until
-`--sleep-time` runs out or SIGTERM/SIGINT → unregister. The file is joinable only when
-checkpoint-engine's p2p store (mooncake + RDMA) runs here; otherwise it says so.
+save-metas: the transfer's first half (transfer.py, no server): split → register → gather →
+write the metas file (rank 0); then hold until `--sleep-time` runs out or SIGTERM/SIGINT. The file is joinable only where
+checkpoint-engine's p2p store (mooncake + RDMA) runs; otherwise it says so.
 
-join: read and check the metas file → check that p2p can work, *before* touching the server
-→ start the PS with p2p → wait for this node's server → gather (own pool empty) → load_metas
-→ update into this node's server over p2p.
+join: every refusal before the server is touched; then the transfer (transfer.py) with the
+holders' metas in place of a registration here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import InvalidInput
 from ckptctl.pipeline import stages
-from ckptctl.pipeline.groups import ServerTargets
 from ckptctl.pipeline.job import Job, prepare_environment, run_job
-from ckptctl.pipeline.verification import check_offers, check_weights
+from ckptctl.pipeline.request import P2P, TransferRequest, check_join_p2p
+from ckptctl.pipeline.transfer import Transfer
 from ckptctl.progress import Reporter
 
 
 @dataclass
 class SaveMetasOptions:
-    checkpoint_path: str
+    request: TransferRequest  # the checkpoint, its name, split and register mode
     metas_file: str
-    checkpoint_name: str = "my-checkpoint-iter-0"
-    split: str = "auto"
     sleep_time: float | None = None  # None: until SIGTERM/SIGINT
-    timeout: float = 600.0
-    register_mode: str = "direct"
-    read_threads: int | None = None
     verbose: bool = False
 
 
@@ -40,53 +34,46 @@ def run_save_metas(
 ) -> dict[str, Any]:
     from ckptctl.pipeline.parameter_server import p2p_missing
 
+    req = opts.request
+    assert req.checkpoint_path is not None
     launch = prepare_environment()
     missing = p2p_missing()
-
+    p2p = P2P.optional if missing is None else P2P.off
     early = stages.EarlyShare(
-        opts.checkpoint_path, opts.split, launch, opts.register_mode, opts.read_threads, reporter
+        req.checkpoint_path, req.split, launch, req.register_mode, req.read_threads, reporter
     )
 
     def body(job: Job) -> dict[str, Any]:
-        checkpoint, plan, share = stages.plan_share(job, opts.checkpoint_path, opts.split, early)
-        reader = early.reader
-        session = stages.start_parameter_server(job, p2p="optional" if missing is None else "off")
-        stages.register_share(
-            job, session, opts.checkpoint_name, checkpoint, share, opts.register_mode, reader
-        )
-        stages.build_group(job, session)
-        stages.gather_metas(job, session, opts.checkpoint_name, reader)
-        stages.save_metas(job, session, opts.metas_file, opts.checkpoint_name)
+        t = Transfer(job, req, None, p2p=p2p, early=early, save_metas_file=opts.metas_file).run()
+        assert t.checkpoint is not None and t.plan is not None and t.session is not None
+        session = t.session
         ranks = job.gather_figures(job.figures())
-        ended = stages.serve(job, opts.sleep_time)
-        session.unregister(opts.checkpoint_name)
-        job.reporter.log(f"unregistered {opts.checkpoint_name} ({ended})")
+        ended = stages.hold_for_joiners(job, opts.sleep_time)
+        session.unregister(req.checkpoint_name)
+        job.reporter.log(f"unregistered {req.checkpoint_name} ({ended})")
         return {
             "ok": True,
             "metas_file": opts.metas_file,
-            "checkpoint_name": opts.checkpoint_name,
-            "checkpoint_path": opts.checkpoint_path,
-            "split": plan.split,
+            "checkpoint_name": req.checkpoint_name,
+            "checkpoint_path": req.checkpoint_path,
+            "split": t.plan.split,
             "world_size": launch.world_size,
-            "total_bytes": checkpoint.total_bytes,
-            "tensor_count": len(checkpoint.tensors),
+            "total_bytes": t.checkpoint.total_bytes,
+            "tensor_count": len(t.checkpoint.tensors),
             "joinable": session.p2p_enabled,
             "why_not_joinable": None if session.p2p_enabled else (missing or session.p2p_error),
             "served": ended,
             "ranks": ranks,
         }
 
-    return run_job(launch, reporter, body, timeout=opts.timeout, verbose=opts.verbose, debug=debug)
+    return run_job(launch, reporter, body, timeout=req.timeout, verbose=opts.verbose, debug=debug)
 
 
 @dataclass
 class JoinOptions:
     load_metas_file: str
-    checkpoint_name: str = "my-checkpoint-iter-0"
-    servers: ServerTargets = field(default_factory=ServerTargets)
+    request: TransferRequest  # its update method is p2p; no checkpoint path
     allow_pickle: bool = False
-    timeout: float = 600.0
-    verify: bool = False  # --verify: per-engine agreement (nothing registered here to hash)
     verbose: bool = False
 
 
@@ -108,54 +95,21 @@ def run_join(opts: JoinOptions, reporter: Reporter, *, debug: bool = False) -> d
     # Everything that can be refused is refused before the server is touched.
     metas_file = read_metas_file(opts.load_metas_file, allow_pickle=opts.allow_pickle)
     check_joinable(metas_file.metas, opts.load_metas_file)
-    missing = p2p_missing()
-    if missing:
-        raise InvalidInput(f"join pulls weights over p2p, which cannot start here: {missing}")
+    check_join_p2p(p2p_missing())
     launch = prepare_environment()
-    servers = opts.servers
-    assignment = servers.assign(launch)
+    req = opts.request
+    assignment = req.servers.assign(launch)
 
     def body(job: Job) -> dict[str, Any]:
-        session = stages.start_parameter_server(job, p2p="required")
-        stages.wait_for_server(job, assignment, servers.engine)
-        verification = None
-        if opts.verify:
-            verification = check_offers(job, assignment, round_trip=False, hashes_available=False)
-        stages.build_group(job, session)
-        stages.gather_metas(job, session, opts.checkpoint_name)  # our own pool is empty
-        session.load_metas(metas_file.metas)
-        request = stages.ServerRequest(
-            assignment,
-            servers,
-            job.watchdog,
-            timeout=opts.timeout,
-            transfer_finished=session.wait_transfer_finished,
-        )
-        nbytes = sum(
-            meta_list.size
-            for entry in metas_file.metas.values()
-            for meta_list in entry.memory_buffer_metas_list
-        )
-        stages.push(
-            job,
-            session,
-            opts.checkpoint_name,
-            request,
-            broadcast=False,
-            p2p_ranks=list(range(servers.parallel_size)),
-            nbytes=nbytes,
-        )
-        if servers.weight_version is not None:
-            stages.verify_weight_version(job, assignment, servers.engine, servers.weight_version)
-        verified = check_weights(job, assignment, verification) if verification else None
+        # Our own pool stays empty: gather_metas gathers nothing, load_metas brings theirs.
+        t = Transfer(job, req, assignment, p2p=P2P.required, metas=metas_file.metas).run()
         return {
             "ok": True,
             "metas_file": opts.load_metas_file,
-            "checkpoint_name": opts.checkpoint_name,
-            "verified": verified["how"] if verified else None,
-            "verification": verified,
+            "checkpoint_name": req.checkpoint_name,
+            **t.verified_fields(),
             "world_size": launch.world_size,
             "ranks": job.gather_figures(job.figures(group=assignment.group)),
         }
 
-    return run_job(launch, reporter, body, timeout=opts.timeout, verbose=opts.verbose, debug=debug)
+    return run_job(launch, reporter, body, timeout=req.timeout, verbose=opts.verbose, debug=debug)

@@ -1,7 +1,8 @@
 """The stages the GPU commands are built from, each timed and shown by the job's reporter.
 
 plan_share → start_parameter_server → register_share → wait_for_server → build_group
-→ gather_metas → push (update) → verify_weight_version → serve (save-metas, --sleep-time)
+→ gather_metas → push → verify_weight_version, in the order transfer.py runs them;
+hold_for_joiners keeps the weights up for joiners (save-metas, --sleep-time).
 """
 
 from __future__ import annotations
@@ -11,16 +12,26 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httpx
 
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
+from ckptctl.inference_server import ServerAddress
 from ckptctl.pipeline.coordination import PAST_DEADLINE_S, StoppedByPeer, abort_error
 from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
+from ckptctl.pipeline.request import P2P, RegisterMode
 from ckptctl.progress import Reporter, format_bytes
-from ckptctl.server import ServerAddress
+
+if TYPE_CHECKING:
+    import signal
+
+    from ckptctl.checkpoint import Checkpoint, Plan, RankPlan
+    from ckptctl.launch import LaunchInfo
+    from ckptctl.pipeline.coordination import Watchdog
+    from ckptctl.pipeline.host_memory import PinnedPool, ShareReader
+    from ckptctl.pipeline.parameter_server import ParameterServerSession
 
 # After the server says "done", the IPC transfer must finish within this many seconds: SGLang
 # and vLLM answer only once their workers have loaded every bucket.
@@ -29,7 +40,7 @@ AFTER_ANSWER_GRACE_S = 15.0
 READ_BACK_TIMEOUT_S = 10.0
 
 
-def read_and_plan(checkpoint_path: str, world_size: int, split: str) -> tuple[Any, Any]:
+def read_and_plan(checkpoint_path: str, world_size: int, split: str) -> tuple[Checkpoint, Plan]:
     """(checkpoint, plan): the headers read and the split planned, with the garbage collector
     paused meanwhile (tens of thousands of tensors, no cyclic garbage)."""
     from ckptctl.checkpoint import plan_split, read_checkpoint
@@ -42,19 +53,18 @@ def read_and_plan(checkpoint_path: str, world_size: int, split: str) -> tuple[An
 
 class EarlyShare:
     """The split planned - and in direct mode this rank's share read - from the moment the
-    command starts, in a thread: before the job's store is joined and torch is imported (3.4 s
-    on the H200 machine), which the reading overlaps. Planning needs no torch (headers.py,
-    plan.py), nor does reading into anonymous memory (pinning.ShareReader); the buffers become
-    tensors and are pinned once torch is there. The stages that follow take what it made; a
-    failure here is raised there (`plan_share`), inside the job, so every rank hears of it.
+    command starts, in a thread, overlapping the join of the job's store and torch's import.
+    Planning needs no torch, nor does reading into anonymous memory (host_memory.ShareReader); the
+    buffers are pinned once torch is there. A failure here is raised by `plan_share`, inside
+    the job, so every rank hears of it.
     """
 
     def __init__(
         self,
         checkpoint_path: str,
         split: str,
-        launch: Any,
-        register_mode: str,
+        launch: LaunchInfo,
+        register_mode: RegisterMode,
         read_threads: int | None = None,
         reporter: Reporter | None = None,
     ) -> None:
@@ -62,9 +72,9 @@ class EarlyShare:
         import threading
 
         self._args = (checkpoint_path, split, launch, register_mode, read_threads, reporter)
-        self.checkpoint: Any = None
-        self.plan: Any = None
-        self.reader: Any = None
+        self.checkpoint: Checkpoint | None = None
+        self.plan: Plan | None = None
+        self.reader: ShareReader | None = None
         self.seconds: float | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -89,18 +99,19 @@ class EarlyShare:
         finally:
             self._done.set()
 
-    def wait(self, timeout_s: float) -> tuple[Any, Any]:
+    def wait(self, timeout_s: float) -> tuple[Checkpoint, Plan]:
         """(checkpoint, plan) once planned; what planning raised."""
         if not self._done.wait(max(timeout_s, 0.0)):
             raise DeadlineExceeded("planning the split did not finish within --timeout")
         if self.error is not None:
             raise self.error
+        assert self.checkpoint is not None and self.plan is not None
         return self.checkpoint, self.plan
 
 
 def plan_share(
     job: Job, checkpoint_path: str, split: str, early: EarlyShare | None = None
-) -> tuple[Any, Any, Any]:
+) -> tuple[Checkpoint, Plan, RankPlan]:
     """(checkpoint, plan, this rank's share): every rank computes the same plan on its own
     (already, when `early` started it before the job did)."""
     with job.reporter.stage("split", "planning the split") as st:
@@ -119,11 +130,11 @@ def plan_share(
     return checkpoint, plan, share
 
 
-def plan_fingerprint(plan: Any) -> str:
+def plan_fingerprint(plan: Plan) -> str:
     """A digest of everything the plan depends on: the files, their headers, the split.
 
     Column by column (names, files, dtypes, shapes, offsets of each rank's tensors), so that
-    the per-tensor work runs in C: 90k tensors take milliseconds, not a JSON document's 0.15 s.
+    the per-tensor work runs in C rather than in a JSON document's encoder.
     """
     import hashlib
     from array import array
@@ -144,7 +155,7 @@ def plan_fingerprint(plan: Any) -> str:
     return digest.hexdigest()
 
 
-def check_same_plan(job: Job, plan: Any, checkpoint_path: str) -> None:
+def check_same_plan(job: Job, plan: Plan, checkpoint_path: str) -> None:
     """Every node plans on its own copy of the checkpoint; rank 0 checks they all agree, or a
     tensor would be loaded twice or never (a partial copy, a stray file on one node)."""
     if job.coordinator is None:
@@ -165,7 +176,9 @@ def check_same_plan(job: Job, plan: Any, checkpoint_path: str) -> None:
             )
 
 
-def start_parameter_server(job: Job, *, p2p: str, longest_wait_s: float | None = None) -> Any:
+def start_parameter_server(
+    job: Job, *, p2p: P2P, longest_wait_s: float | None = None
+) -> ParameterServerSession:
     """longest_wait_s: how long the job may wait in one collective before its watchdog ends it
     (default: the job's timeout); NCCL's own timeout is set past it (group_timeout_s)."""
     from ckptctl.pipeline.host_memory import import_torch
@@ -173,8 +186,8 @@ def start_parameter_server(job: Job, *, p2p: str, longest_wait_s: float | None =
     from ckptctl.pipeline.process_group import group_timeout_s
 
     with job.reporter.stage("start", "starting checkpoint-engine's parameter server") as st:
-        # A job of one process has joined no store yet, so its first `import torch` (3 s on
-        # the H200 machine) falls here: say so, else it reads as a slow start.
+        # A job of one process has joined no store yet, so its first `import torch` falls
+        # here: say so, else it reads as a slow start.
         import_seconds = import_torch()
         if import_seconds is not None:
             st.detail = f"{import_seconds:.2f}s of it importing torch, this process's first"
@@ -194,22 +207,22 @@ def start_parameter_server(job: Job, *, p2p: str, longest_wait_s: float | None =
 
 
 def prefetch_share(
-    checkpoint: Any,
-    share: Any,
-    mode: str,
-    pool: Any = None,
+    checkpoint: Checkpoint,
+    share: RankPlan,
+    mode: RegisterMode,
+    pool: PinnedPool | None = None,
     *,
-    plan: Any = None,
+    plan: Plan | None = None,
     read_threads: int | None = None,
     reporter: Reporter | None = None,
     drop_page_cache: bool = False,
-) -> Any | None:
+) -> ShareReader | None:
     """In direct mode, start reading and pinning the share now, while the ParameterServer
     starts (into the pinned buffers of `pool` when a long-lived job keeps them); with `plan`,
     every rank's metas are worked out there too, for gather_metas. The bytes it reads count
     towards the "register" stage that takes them over (`reporter`). drop_page_cache: the
-    share's file pages are dropped from the page cache once read (pinning._OpenFiles)."""
-    if mode != "direct":
+    share's file pages are dropped from the page cache once read."""
+    if mode != RegisterMode.direct:
         return None
     from ckptctl.pipeline.host_memory import ShareReader
 
@@ -229,47 +242,36 @@ def prefetch_share(
 
 def register_share(
     job: Job,
-    session: Any,
+    session: ParameterServerSession,
     name: str,
-    checkpoint: Any,
-    share: Any,
-    mode: str = "engine",
-    prefetched: Any | None = None,
+    checkpoint: Checkpoint,
+    share: RankPlan,
+    mode: RegisterMode = RegisterMode.engine,
+    prefetched: ShareReader | None = None,
 ) -> None:
     """engine: checkpoint-engine copies views of the file mapping into pinned buffers it
-    allocates; direct: we pread into buffers and pin them in place (host_memory)."""
+    allocates; direct: `prefetched` (prefetch_share) preads into buffers pinned in place."""
     label = "loading the shares"  # (short: the live view adds ", N ranks" at 80 columns)
     with job.reporter.stage("register", label, nbytes=share.bytes, node_wide=True) as st:
         st.detail = f"{mode} registration"
-        if mode == "engine":
+        if mode == RegisterMode.engine:
             # checkpoint-engine copies out of the file mappings itself, with no hook: the
             # pages of the mappings it has touched so far are the bytes it has copied.
             st.done.track(file_pages_mapped_since_now())
-        if mode == "consume":
+        if mode == RegisterMode.consume:
             # checkpoint-engine pins /dev/shm files in place and deletes them (asked for with
             # --consume-shm-files): whole files only, so the split must be by files.
             session.register_files(name, [str(checkpoint.path_of(f)) for f in share.files])
             return
-        if mode == "direct":
-            from ckptctl.pipeline.host_memory import ShareReader
-
-            reader = prefetched or ShareReader(
-                checkpoint, share.tensors, pin=True, on_read=st.done.add
-            )
+        if mode == RegisterMode.direct:
+            reader = prefetched
+            assert reader is not None  # (prefetch_share, started before this stage)
             session.register_buffers(name, reader.result())
-            how = f"{reader.threads} reader thread{'' if reader.threads == 1 else 's'}"
-            if prefetched is not None:
-                # Read and pinned in a thread since before this stage: its time is the wait.
-                st.background = {
-                    "read": reader.read_seconds or 0.0,
-                    "pin": reader.pin_seconds or 0.0,
-                }
-                st.background_started = getattr(reader, "started_at", None)  # (--trace)
-            else:
-                read, pin = reader.read_seconds or 0.0, reader.pin_seconds or 0.0
-                how = f"read {read:.2f}s + pin {pin:.2f}s, {how}"
+            # Read and pinned in a thread since before this stage: its time is the wait.
+            st.background = {"read": reader.read_seconds or 0.0, "pin": reader.pin_seconds or 0.0}
+            st.background_started = reader.started_at  # (--trace)
             st.detail += (
-                f" ({how}"
+                f" ({reader.threads} reader thread{'' if reader.threads == 1 else 's'}"
                 f"{', pinned through the driver' if reader.pinned_by_driver else ''}"
                 f"{', before torch' if reader.pinned_before_torch else ''})"
             )
@@ -322,56 +324,44 @@ def wait_for_server(
 
     limit_s: the longest wait (a serve push's --server-wait), which fails the push with exit 1;
     None: until the job's deadline, which is exit 4. `flag` is what the error tells to raise."""
+    from ckptctl.readiness import Probe, Prober, wait_ready
+
     with job.reporter.stage("wait_server", "waiting for the inference server") as st:
-        if assignment.is_leader:
-            st.detail = _wait_until_listening(job, assignment, engine, st, limit_s, flag)
+        address = assignment.address
+        if address is not None:  # (the leader)
+            remaining = max(job.watchdog.remaining(), 0.0)
+            limit = remaining if limit_s is None else min(limit_s, remaining)
+            said = [0.0]
+
+            def on_attempt(probe: Probe, attempts: int, elapsed: float) -> None:
+                # Visible while it lasts: `status` reads the detail; a log a line every TICK_S.
+                st.detail = f"{address.describe()}: {probe.status}, {elapsed:.0f}s of {limit:.0f}s"
+                if not probe.ready and elapsed - said[0] >= job.reporter.TICK_S:
+                    said[0] = elapsed
+                    job.reporter.log(f"still waiting for {st.detail}")
+                if job.coordinator is not None and job.coordinator.scope:
+                    abort = job.coordinator.aborted()  # this push was given up (stop, cancel)
+                    if abort is not None:
+                        raise abort_error(abort)
+
+            prober = Prober(address, engine, "listening")
+            try:
+                result = wait_ready(prober, timeout=limit, interval=0.5, on_attempt=on_attempt)
+            finally:
+                prober.close()
+            if not result.ready:
+                what = (
+                    f"{address.describe()} did not answer within {flag} ({limit:g}s, "
+                    f"{result.attempts} attempts, last: {result.last_status})"
+                )
+                if limit_s is not None and limit_s < remaining:
+                    raise OperationFailed(f"{what}; is the server up?")
+                raise DeadlineExceeded(what)
+            st.detail = f"{address.describe()}: {result.last_status}"
         job.barrier("servers-up")
 
 
-def _wait_until_listening(
-    job: Job,
-    assignment: GroupAssignment,
-    engine: str,
-    st: Any,
-    limit_s: float | None,
-    flag: str,
-) -> str:
-    from ckptctl.readiness import Probe, Prober, wait_ready
-
-    address = assignment.address
-    assert address is not None
-    remaining = max(job.watchdog.remaining(), 0.0)
-    limit = remaining if limit_s is None else min(limit_s, remaining)
-    said = [0.0]
-
-    def on_attempt(probe: Probe, attempts: int, elapsed: float) -> None:
-        # Visible while it lasts: `status` reads the detail; a log gets a line every TICK_S.
-        st.detail = f"{address.describe()}: {probe.status}, {elapsed:.0f}s of {limit:.0f}s"
-        if not probe.ready and elapsed - said[0] >= job.reporter.TICK_S:
-            said[0] = elapsed
-            job.reporter.log(f"still waiting for {st.detail}")
-        if job.coordinator is not None and job.coordinator.scope:
-            abort = job.coordinator.aborted()  # this push was given up (stop, cancel, a rank)
-            if abort is not None:
-                raise abort_error(abort)
-
-    prober = Prober(address, engine, "listening")
-    try:
-        result = wait_ready(prober, timeout=limit, interval=0.5, on_attempt=on_attempt)
-    finally:
-        prober.close()
-    if result.ready:
-        return f"{address.describe()}: {result.last_status}"
-    what = (
-        f"{address.describe()} did not answer within {flag} ({limit:g}s, "
-        f"{result.attempts} attempts, last: {result.last_status})"
-    )
-    if limit_s is not None and limit_s < remaining:
-        raise OperationFailed(f"{what}; is the server up?")
-    raise DeadlineExceeded(what)
-
-
-def build_group(job: Job, session: Any) -> None:
+def build_group(job: Job, session: ParameterServerSession) -> None:
     """Wait for the NCCL group that has been building since the session started (its own
     stage, so that gather_metas shows the gather alone)."""
     with job.reporter.stage("group", "building the NCCL process group") as st:
@@ -380,7 +370,9 @@ def build_group(job: Job, session: Any) -> None:
             st.detail = f"built in {built:.2f}s, in the background"
 
 
-def gather_metas(job: Job, session: Any, name: str, reader: Any = None) -> None:
+def gather_metas(
+    job: Job, session: ParameterServerSession, name: str, reader: ShareReader | None = None
+) -> None:
     """checkpoint-engine's gather; with a direct registration's reader, which knows every
     rank's buffers from the plan, only the buffers' addresses travel (gather_planned)."""
     with job.reporter.stage("gather_metas", "gathering metas from every rank") as st:
@@ -392,7 +384,7 @@ def gather_metas(job: Job, session: Any, name: str, reader: Any = None) -> None:
         st.detail = "planned metas, addresses gathered"
 
 
-def save_metas(job: Job, session: Any, path: str, name: str) -> None:
+def save_metas(job: Job, session: ParameterServerSession, path: str, name: str) -> None:
     """Rank 0 writes the metas file; says whether joiners can use it."""
     if job.launch.rank != 0:
         return
@@ -421,7 +413,7 @@ class ServerRequest:
         self,
         assignment: GroupAssignment,
         servers: ServerTargets,
-        watchdog: Any,
+        watchdog: Watchdog,
         *,
         timeout: float,
         transfer_finished: Callable[[float], bool],
@@ -473,7 +465,7 @@ class ServerRequest:
         self._abandoned.set()
 
     def _request(self, address: ServerAddress, handles: dict[str, str]) -> None:
-        from ckptctl.server import UpdateRefused, describe_failure, push_update
+        from ckptctl.inference_server import UpdateRefused, describe_failure, push_update
 
         # The whole exchange ends a little before the job's deadline (PAST_DEADLINE_S, at most
         # a quarter of what is left): a server that trickles then fails the request on its own
@@ -516,9 +508,9 @@ class ServerRequest:
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """checkpoint-engine runs gc.collect() inside every update, on the critical path: over a
-    process of torch's size that is ~0.1 s (measured on the H200 machine). Nothing we hold is
-    garbage, so the collector skips it all while the update runs."""
+    """checkpoint-engine runs gc.collect() inside every update, on the critical path, over a
+    process of torch's size. Nothing we hold is garbage, so the collector skips it all while
+    the update runs."""
     gc.freeze()
     try:
         yield
@@ -528,7 +520,7 @@ def frozen_heap() -> Iterator[None]:
 
 def push(
     job: Job,
-    session: Any,
+    session: ParameterServerSession,
     name: str,
     request: ServerRequest,
     *,
@@ -558,8 +550,8 @@ def push(
 def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, want: str) -> None:
     if not assignment.is_leader:
         return
+    from ckptctl.inference_server import CONTRACTS, describe_failure, make_client
     from ckptctl.readiness import read_weight_version
-    from ckptctl.server import CONTRACTS, describe_failure, make_client
 
     address = assignment.address
     assert address is not None
@@ -585,7 +577,7 @@ def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, wa
 OWN_SIGNAL_GRACE_S = 1.0
 
 
-def serve(job: Job, seconds: float | None) -> str:
+def hold_for_joiners(job: Job, seconds: float | None) -> str:
     """Keep the registered weights up for joiners: `seconds`, or until SIGTERM/SIGINT.
 
     A signal to any one rank stops them all: the rank that got it says so in the job's store,
@@ -595,7 +587,7 @@ def serve(job: Job, seconds: float | None) -> str:
     """
     reason: list[str] = []
 
-    def on_signal(sig: Any) -> None:
+    def on_signal(sig: signal.Signals) -> None:
         reason.append(f"stopped by {sig.name}")
         if job.coordinator is not None:
             job.coordinator.publish_stop(reason[0])

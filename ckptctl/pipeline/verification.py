@@ -8,28 +8,31 @@ hold (the HTTP contract and the hashing are in ckptctl/verify.py).
       ... push ...
     check_weights     after the push: compare_checksum / per-engine agreement / compare
 
-Only group leaders talk to servers; what one rank needs from the others goes through the job's
-store (`_share`), so servers on other nodes take part too.
+Only group leaders talk to servers; the job's store carries the rest (`_share`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import OperationFailed
 from ckptctl.pipeline.groups import GroupAssignment
 from ckptctl.pipeline.job import Job
+from ckptctl.pipeline.request import Verify
+
+if TYPE_CHECKING:
+    from ckptctl.pipeline.parameter_server import ParameterServerSession
 
 
 @dataclass
 class Verification:
     """How this job verifies, decided alike on every rank."""
 
-    how: str  # "checksum" | "per-engine" | "round-trip"
+    how: Verify
     servers: int
-    hasher: Any = None  # verify.BackgroundHasher, for "checksum"
+    hasher: Any = None  # verify.BackgroundHasher, for Verify.checksum
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -53,11 +56,12 @@ def _share(job: Job, key: str, doc: dict[str, Any], *, wanted: bool = True) -> l
 def check_offers(
     job: Job,
     assignment: GroupAssignment,
+    ways: tuple[Verify, ...],
     *,
-    round_trip: bool,
-    hashes_available: bool = True,
+    hashes: bool = True,
 ) -> Verification:
-    """Ask every server what it offers and decide how to verify (InvalidInput if no way)."""
+    """Ask every server what it offers and decide which of `ways` to verify by (InvalidInput
+    if none). hashes: whether this job registered tensors it could hash (not join)."""
     from ckptctl.verify import COMPARE_CHECKSUM, VERIFY_HOWS, plan_verification, probe
 
     with job.reporter.stage("checker", "asking the servers' weights checkers") as st:
@@ -67,16 +71,18 @@ def check_offers(
             mine = {"where": checker.where, "offers": probe(checker)}
         docs = [d for d in _share(job, "verify-offers", mine) if d]
         offers = [(d["where"], list(d["offers"])) for d in docs]
-        if not hashes_available:  # join: nothing registered here to hash
+        if not hashes:  # join: nothing registered here to hash
             offers = [(w, [a for a in acts if a != COMPARE_CHECKSUM]) for w, acts in offers]
-        how = plan_verification(offers, round_trip=round_trip)
+        how = Verify(plan_verification(offers, round_trip=Verify.round_trip in ways))
         st.detail = f"{len(offers)} server(s): will check {VERIFY_HOWS[how]}"
     return Verification(how, len(offers))
 
 
-def start_hashing(job: Job, session: Any, name: str, verification: Verification) -> None:
+def start_hashing(
+    job: Job, session: ParameterServerSession, name: str, verification: Verification
+) -> None:
     """For compare_checksum: hash this rank's registered tensors while the update runs."""
-    if verification.how != "checksum":
+    if verification.how is not Verify.checksum:
         return
     from ckptctl.verify import BackgroundHasher, hashing_threads
 
@@ -86,7 +92,7 @@ def start_hashing(job: Job, session: Any, name: str, verification: Verification)
 
 def round_trip_reset(job: Job, assignment: GroupAssignment, verification: Verification) -> None:
     """Every server snapshots its weights; only once all have does any of them reset."""
-    if verification.how != "round-trip":
+    if verification.how is not Verify.round_trip:
         return
     with job.reporter.stage("round_trip", "snapshotting, then resetting the served weights"):
         checker = _checker(job, assignment) if assignment.is_leader else None
@@ -114,13 +120,13 @@ def check_weights(
 
     how = verification.how
     with job.reporter.stage("check_weights", f"checking {VERIFY_HOWS[how]}") as st:
-        if how == "checksum":
+        if how is Verify.checksum:
             st.detail = _check_sha256(job, assignment, verification, tensor_names or set())
-        elif how == "per-engine":
+        elif how is Verify.per_engine:
             st.detail = _check_agreement(job, assignment, verification)
         else:
             st.detail = _check_round_trip(job, assignment, verification)
-    return {"how": how, "server_count": verification.servers, **verification.details}
+    return {"how": how.value, "server_count": verification.servers, **verification.details}
 
 
 def _check_sha256(

@@ -93,7 +93,7 @@ def test_a_dtype_in_place_pinning_cannot_read_is_refused_untouched(shm_dir: Path
 def test_consume_refuses_a_folder_others_can_write() -> None:
     """A 0777 folder on the way lets another user swap a subfolder for a symlink between the
     check and checkpoint-engine's os.remove (which resolves the path again)."""
-    from ckptctl.pipeline.update import check_in_shm
+    from ckptctl.checkpoint.consume import check_in_shm
 
     base = Path(tempfile.mkdtemp(prefix="ckptctl-adv-", dir="/dev/shm"))
     try:

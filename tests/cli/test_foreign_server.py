@@ -21,7 +21,7 @@ from locations import CPU_PS_RANK, TINY
 from torchrun_launch import torchrun_cmd
 
 import ckptctl.cli.wait_ready as wait_ready_cli
-from ckptctl.server import MESSAGE_CHARS, ServerAddress, UpdateRefused, push_update
+from ckptctl.inference_server import MESSAGE_CHARS, ServerAddress, UpdateRefused, push_update
 
 FOREIGN = "this does not answer like SGLang or vLLM (check --endpoint)"
 

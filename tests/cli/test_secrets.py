@@ -26,8 +26,8 @@ from locations import TINY
 
 from ckptctl import results
 from ckptctl.errors import UsageError, redact, redact_doc, register_secret, register_url_secrets
+from ckptctl.inference_server import ServerAddress
 from ckptctl.progress import Reporter
-from ckptctl.server import ServerAddress
 
 KEY = "sk-live-0123456789abcdef"
 USER, PASSWORD = "opsuser", "hunter2-pass"

@@ -312,15 +312,15 @@ if __name__ == "__main__":
     pinning_module.unpin = lambda buffer: None  # type: ignore[assignment]
     if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ.get("RANK", "0"):
         # This rank checks a --consume-shm-files plan late (a slower node, a busy CPU).
-        import ckptctl.pipeline.update as update_module
+        import ckptctl.checkpoint.consume as consume_module
 
-        check = update_module.check_consumable
+        check = consume_module.check_consumable
 
         def slow_check(plan: Any) -> None:
             time.sleep(2.0)
             check(plan)
 
-        update_module.check_consumable = slow_check  # type: ignore[assignment]
+        consume_module.check_consumable = slow_check  # type: ignore[assignment]
     sys.argv = ["ckptctl", *sys.argv[1:]]
     from ckptctl.cli import main
 

@@ -1,7 +1,7 @@
 """What ckptctl relies on inside checkpoint-engine (pinned >=0.4.2,<0.5), checked on CPU, so
 that a release that changes it fails here rather than in an update on a GPU node:
 
-- its package imports without the HTTP API (pipeline/engine.py);
+- its package imports without the HTTP API (pipeline/ce_import.py);
 - the fields of the models we build without validation (host_memory MetaMaker, model_construct);
 - the state its gather_metas leaves in a ParameterServer, which `apply_gathered` must leave
   exactly the same way: both run side by side over a real (gloo) process group of 2 torchrun
@@ -25,7 +25,7 @@ from torchrun_launch import torchrun_cmd
 
 from ckptctl.checkpoint import plan_split, read_checkpoint
 from ckptctl.checkpoint.loader import torch_layout
-from ckptctl.pipeline.engine import engine_module
+from ckptctl.pipeline.ce_import import engine_module
 from ckptctl.pipeline.host_memory import _file_reads, _share_reader
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_parameter_server_imports_without_the_http_api() -> None:
     code = """
     import sys
-    from ckptctl.pipeline.engine import engine_module, is_bare
+    from ckptctl.pipeline.ce_import import engine_module, is_bare
     ps = engine_module("ps")
     engine_module("data_types"), engine_module("device_utils")
     assert is_bare(), "the package's __init__ ran"
@@ -57,7 +57,7 @@ def test_the_parameter_server_imports_without_the_http_api() -> None:
 
 def test_a_missing_name_is_an_attribute_error_after_the_package_loads() -> None:
     code = """
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
     engine_module("ps")
     import checkpoint_engine
     try:
@@ -123,7 +123,7 @@ from ckptctl.launch import launch_info
 from ckptctl.pipeline import ce_internals, host_memory
 from ckptctl.pipeline.parameter_server._session import all_gather_json
 from ckptctl.pipeline.coordination import Coordinator
-from ckptctl.pipeline.engine import engine_module
+from ckptctl.pipeline.ce_import import engine_module
 from ckptctl.pipeline.process_group import BackgroundProcessGroup
 
 ckpt, split, gpu_count, p2p = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "p2p"

@@ -123,7 +123,7 @@ def test_the_range_is_read_as_pep_440_reads_it(version: str, fits: bool) -> None
 
 
 def test_a_missing_private_attribute_is_named() -> None:
-    from ckptctl.pipeline.engine import engine_module
+    from ckptctl.pipeline.ce_import import engine_module
 
     ps = object.__new__(engine_module("ps").ParameterServer)  # (its constructor needs CUDA)
     with pytest.raises(OperationFailed, match=r"has no ParameterServer\._device_uuid, which"):

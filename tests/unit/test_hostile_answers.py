@@ -16,7 +16,7 @@ from conftest import invoke
 from fake_server import Behaviour, FakeServer
 
 from ckptctl import bounded_http, verify
-from ckptctl.server import ServerAddress, parse_json_object
+from ckptctl.inference_server import ServerAddress, parse_json_object
 
 SECURITY = Path(__file__).resolve().parents[2] / "SECURITY.md"
 # 3,000 levels: past the parser's recursion limit, yet few enough values to be parsed.

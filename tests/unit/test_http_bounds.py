@@ -30,8 +30,8 @@ from fake_server import Behaviour, FakeServer
 from locations import CPU_PS_RANK, TINY
 
 from ckptctl.bounded_http import MAX_RESPONSE_BYTES, ResponseTooLarge, bounded_client, deadline
+from ckptctl.inference_server import CONTRACTS, ServerAddress, make_client, push_update
 from ckptctl.readiness import read_weight_version
-from ckptctl.server import CONTRACTS, ServerAddress, make_client, push_update
 
 GUARD_S = 60  # what used to run for ever must end well inside this
 TRICKLES = ["trickle_headers", "trickle_body"]

@@ -23,7 +23,7 @@ from conftest import invoke
 from fake_server import Behaviour, FakeServer
 
 from ckptctl.bounded_http import bounded_client
-from ckptctl.server import ServerAddress, push_update
+from ckptctl.inference_server import ServerAddress, push_update
 from ckptctl.unix_peers import UntrustedSocket, check_peer
 
 NOBODY = 65534

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fake_server import Behaviour, FakeServer
 
-from ckptctl.server import ServerAddress, UpdateRefused, push_update
+from ckptctl.inference_server import ServerAddress, UpdateRefused, push_update
 
 HANDLES = {"GPU-aaaa": "ipc://@checkpoint-engine-GPU-aaaa-0.sock"}
 

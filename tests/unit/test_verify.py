@@ -15,7 +15,7 @@ from fake_server import Behaviour, FakeServer
 from locations import TINY
 
 from ckptctl.errors import DeadlineExceeded, InvalidInput, OperationFailed
-from ckptctl.server import ServerAddress
+from ckptctl.inference_server import ServerAddress
 from ckptctl.verify import (
     Checker,
     EngineChecksums,

@@ -32,7 +32,7 @@ class MetaMaker:
 
     def __init__(self) -> None:
         from ckptctl.checkpoint.loader import torch_layout
-        from ckptctl.pipeline.engine import engine_module
+        from ckptctl.pipeline.ce_import import engine_module
 
         self._cls = engine_module("data_types").ParameterMeta
         self._layout = torch_layout
@@ -240,7 +240,7 @@ class ShareReader:
 
     def result(self) -> list[Any]:
         """checkpoint-engine MemoryBuffers (pinned in place when the reader was told to pin)."""
-        from ckptctl.pipeline.engine import engine_module
+        from ckptctl.pipeline.ce_import import engine_module
 
         memory_buffer = engine_module("data_types").MemoryBuffer
         self._thread.join()

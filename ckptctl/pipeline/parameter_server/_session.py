@@ -17,16 +17,17 @@ from ckptctl.pipeline import ce_internals
 from ckptctl.pipeline.coordination import PAST_DEADLINE_S
 from ckptctl.pipeline.parameter_server import _p2p
 from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket, TransferSockets
+from ckptctl.pipeline.request import P2P
 
 
-def _hint(exc: Exception, p2p: str) -> str:
+def _hint(exc: Exception, p2p: P2P) -> str:
     if "EADDRINUSE" in str(exc):
         port = int(os.environ.get("MASTER_PORT", "0")) + 1
         return (
             f" (checkpoint-engine's store listens on MASTER_PORT+1 = {port}, which is taken: "
             "give torchrun a --master-port whose next port is free)"
         )
-    return "" if p2p == "off" else " (p2p needs a working RDMA NIC)"
+    return "" if p2p is P2P.off else " (p2p needs a working RDMA NIC)"
 
 
 def all_gather_json(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -58,7 +59,7 @@ class ParameterServerSession(TransferSockets):
     def __init__(
         self,
         *,
-        p2p: str,
+        p2p: P2P,
         io_timeout: Callable[[], float],
         group_store: Any = None,
         on_failure: Callable[[int, str], None] | None = None,
@@ -69,7 +70,7 @@ class ParameterServerSession(TransferSockets):
         group is built (None for one process). on_failure: where a failure checkpoint-engine
         would sit on goes (the watchdog's `fail`). group_timeout_s: the group's timeout."""
         ce_internals.check_version()  # first: one line, not a traceback later
-        if p2p == "off":
+        if p2p is P2P.off:
             _p2p.block_mooncake()
         else:
             _p2p.prefer_system_unwinder()
@@ -82,7 +83,7 @@ class ParameterServerSession(TransferSockets):
                 "`ckptctl update --dry-run` plans a split without one"
             )
         from ckptctl.pipeline import process_group as pg
-        from ckptctl.pipeline.engine import engine_module
+        from ckptctl.pipeline.ce_import import engine_module
 
         # First, so that it overlaps everything up to the first gather.
         rank = int(os.environ["RANK"])
@@ -103,14 +104,14 @@ class ParameterServerSession(TransferSockets):
         except (RuntimeError, OSError) as exc:
             # mooncake installed but no usable NIC (checkpoint-engine issue #1) raises here
             # for every method: when p2p was only a nicety, retry without it.
-            if "EADDRINUSE" in str(exc) or p2p != "optional":
+            if "EADDRINUSE" in str(exc) or p2p is not P2P.optional:
                 raise OperationFailed(
                     f"checkpoint-engine's parameter server did not start: {exc}" + _hint(exc, p2p)
                 ) from exc
             self.p2p_error = str(exc)
             _p2p.block_mooncake()
             self.ps = ParameterServer(auto_pg=False)
-        if p2p == "required" and not self.p2p_enabled:
+        if p2p is P2P.required and not self.p2p_enabled:
             raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
         ce_internals.start_socket_counter(self.ps)
         self.sockets: list[ReplyWatchingSocket] = []  # the current update's (one per bind)

@@ -1,28 +1,20 @@
-"""One push of a serve job: the stages of `update` for one checkpoint, on every rank.
+"""One push of a serve job: the transfer of `update` (transfer.py), on every rank.
 
 How a push fails without ending the job:
-
-- before the transfer (a bad checkpoint, a server that is not up): the stage raises, every
-  rank gives up on the push (its store scope's abort key), the previous checkpoint stays
-  registered and the server keeps its weights;
-- during the transfer, before the server's workers connected (the server refused, or the
-  push ran past --push-timeout): each rank ends its blocked transfer with a stand-in peer
-  (ParameterServerSession.rescue); the server's weights are untouched;
-- after the workers connected: checkpoint-engine's own error path (a worker's error reply,
-  the all-reduce of return codes) ends the transfer on every rank, and the push fails with
-  `"server_weights": "partial"`: the server may hold a mix of old and new weights, and the next
-  successful push, which sends every tensor, makes them whole again. Where that path does not
-  end the transfer within STUCK_TRANSFER_GRACE_S (a worker that died or hangs), nothing
-  short of ending the process frees checkpoint-engine, and the job ends as `update` would.
+- before the transfer (a bad checkpoint, a server that is not up): every rank gives up on the
+  push (its store scope's abort key); the previous checkpoint stays registered and served;
+- during it, before the server's workers connected: each rank ends its blocked transfer with a
+  stand-in peer (ParameterServerSession.rescue); the server's weights are untouched;
+- after they connected: checkpoint-engine's own error path ends the transfer on every rank and
+  the push fails with `"server_weights": "partial"` (the next whole push mends them); where
+  that path does not end it within STUCK_TRANSFER_GRACE_S, the job ends as `update` would.
 
 The push's deadline (PushClock) is what its stages see as the watchdog's; the job's own
-watchdog ends the job only HARD_GRACE_S after it, for a stage that nothing else can end
-(a read that never returns, an NCCL collective whose peer hangs).
+watchdog ends the job only HARD_GRACE_S after it, for a stage nothing else can end.
 
-checkpoint-engine's store barrier reuses one key (its issue #106): from the second update of
-a ParameterServer on, it no longer waits for the other ranks. A push therefore ends with a
-barrier of ours under the push's own scope (a fresh key per push) before any rank
-unregisters the previous checkpoint or refills the buffers it was read from.
+checkpoint-engine's store barrier reuses one key (its issue #106): from the second update on
+it no longer waits for the other ranks, so a push ends with a barrier of ours under the push's
+own scope before any rank unregisters the previous checkpoint or refills its buffers.
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import (
     PARTIAL_WEIGHTS_NOTE,
@@ -42,7 +34,16 @@ from ckptctl.errors import (
 )
 from ckptctl.pipeline.coordination import describe_abort
 from ckptctl.pipeline.job import Job
+from ckptctl.pipeline.request import RegisterMode
 from ckptctl.pipeline.serve.state import ServedLayout, ServeState
+
+if TYPE_CHECKING:
+    from ckptctl.checkpoint import Checkpoint, Plan, RankPlan
+    from ckptctl.pipeline.groups import GroupAssignment
+    from ckptctl.pipeline.host_memory import ShareReader
+    from ckptctl.pipeline.parameter_server import ParameterServerSession
+    from ckptctl.pipeline.serve.run import ServeOptions
+    from ckptctl.pipeline.stages import ServerRequest
 
 Executor = Any  # Callable[[Job, dict], dict] (loop.py)
 
@@ -77,13 +78,13 @@ class PushFailure:
 
     Called by the leader's request thread with the server's refusal (or its death), and by the
     watcher on every rank when the push was given up (its abort key: another rank failed, a
-    stop, a cancel) or its deadline passed. Its message is final: `raise_if_failed`.
+    stop, a cancel) or its deadline passed. Its message is final (`guarding`).
     """
 
-    def __init__(self, job: Job, session: Any) -> None:
+    def __init__(self, job: Job, session: ParameterServerSession) -> None:
         self.job = job
         self.session = session
-        self.request: Any = None  # the push's ServerRequest, abandoned on a failure
+        self.request: ServerRequest | None = None  # abandoned on a failure
         self.code: int | None = None
         self.message = ""
         self._handled = threading.Event()
@@ -125,10 +126,12 @@ class PushFailure:
             )
 
     @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
+    def guarding(self, request: ServerRequest) -> Iterator[None]:
         """While the update runs, end it here too when another rank's push failed or the
         push's deadline passed (a little after it: the request thread's own timeout, which
-        says more, goes first)."""
+        says more, goes first); a failed push fails with the server's words, not the
+        rescue's echo of them."""
+        self.request = request
         done = threading.Event()
         clock = self.job.watchdog
 
@@ -151,15 +154,14 @@ class PushFailure:
         thread.start()
         try:
             yield
+        except CkptctlError:
+            if self.code is not None:
+                raise error_for(self.code, self.message) from None
+            raise
         finally:
             self._update_over.set()
             done.set()
             thread.join(timeout=5)
-
-    def raise_if_failed(self) -> None:
-        if self.code is None:
-            return
-        raise error_for(self.code, self.message)
 
 
 # A restore right after a failed push waits this long at most for the server: one that died
@@ -188,12 +190,17 @@ def check_layout(state: ServeState, checkpoint: Any, command: dict[str, Any]) ->
         )
 
 
-def gpu_executor(opts: Any, session: Any, assignment: Any, state: ServeState) -> Executor:
-    """One command: a push (the stages of `update`, then the previous checkpoint is
+def gpu_executor(
+    opts: ServeOptions,
+    session: ParameterServerSession,
+    assignment: GroupAssignment,
+    state: ServeState,
+) -> Executor:
+    """One command: a push (the transfer of `update`, then the previous checkpoint is
     unregistered), or a restore / rollback, which pushes an earlier whole checkpoint again
     (`command["restores"]`: its push's seq) if its files have not changed since."""
     from ckptctl.pipeline import stages
-    from ckptctl.pipeline.verification import check_offers, check_weights, start_hashing
+    from ckptctl.pipeline.transfer import Transfer
 
     def execute(job: Job, command: dict[str, Any]) -> dict[str, Any]:
         action = command.get("action", "push")
@@ -202,122 +209,94 @@ def gpu_executor(opts: Any, session: Any, assignment: Any, state: ServeState) ->
             name = f"{name}-{action}-{command['seq']}"
         if name == state.registered:
             name = f"{name}-{command['seq']}"  # the one being served is still registered
-        from ckptctl.pipeline.update import check_consumable_together, check_consume
+        req = opts.request.for_push(command, name)
+        mode = req.register_mode
 
-        mode = "consume" if command.get("consume_shm_files") else opts.register_mode
-        split = check_consume(command["checkpoint_path"], mode, opts.split)
-        checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], split)
-        if action != "push":
-            _check_unchanged(state, command, checkpoint)
-        # Every rank planned the same checkpoint: every rank refuses alike, before any byte moves.
-        check_layout(state, checkpoint, command)
-        if mode == "consume":
-            check_consumable_together(job, plan)  # before any rank consumes a file
+        def on_planned(checkpoint: Checkpoint) -> None:
+            if action != "push":
+                _check_unchanged(state, command, checkpoint)
+            # Every rank planned the same checkpoint: every rank refuses alike, before any
+            # byte moves.
+            check_layout(state, checkpoint, command)
+
         pool = state.pool  # serve --register-mode direct: buffers kept between pushes
-        if pool is not None and mode == "direct" and state.registered is not None:
-            # Its buffers are refilled with this checkpoint: the server already holds it, and
-            # without p2p nobody reads it from here any more (every rank passed the previous
-            # push's closing barrier).
-            session.unregister(state.registered, pool)
-            state.registered = None
-        reader = stages.prefetch_share(
-            checkpoint,
-            share,
-            mode,
-            pool if mode == "direct" else None,
-            plan=plan,
-            read_threads=opts.read_threads,
-            reporter=job.reporter,
-            drop_page_cache=opts.drop_page_cache,
-        )
-        stages.register_share(job, session, name, checkpoint, share, mode, reader)
-        transfer_began = False
-        verified = None
-        try:
-            # The first push may wait for the server's start-up (its deadline); later ones
-            # wait --server-wait at most: a server that is down fails the push, not the job.
-            if action == "restore":
-                wait, flag = min(opts.server_wait, RESTORE_SERVER_WAIT_S), "a restore's wait"
-            elif state.server_seen:
-                wait, flag = opts.server_wait, "serve --server-wait"
-            else:
-                wait, flag = None, "serve --push-timeout"
-            stages.wait_for_server(job, assignment, opts.servers.engine, limit_s=wait, flag=flag)
-            state.server_seen = True
-            verification = None
-            if command.get("verify"):  # push --verify: before anything is pushed (exit 3)
-                verification = check_offers(job, assignment, round_trip=False)
-                start_hashing(job, session, name, verification)
-            stages.gather_metas(job, session, name, reader)
-            servers = opts.servers
-            if command.get("weight_version") is not None:
-                from dataclasses import replace
 
-                servers = replace(servers, weight_version=command["weight_version"])
-            failure = PushFailure(job, session)
-            request = stages.ServerRequest(
-                assignment,
-                servers,
-                job.watchdog,
-                timeout=opts.push_timeout,
-                transfer_finished=session.wait_transfer_finished,
-                on_failure=failure,
-                flag="serve --push-timeout",
+        def prefetch(checkpoint: Checkpoint, plan: Plan, share: RankPlan) -> ShareReader | None:
+            if pool is not None and mode is RegisterMode.direct and state.registered is not None:
+                # Its buffers are refilled with this checkpoint: the server already holds it,
+                # and without p2p nobody reads it from here any more (every rank passed the
+                # previous push's closing barrier).
+                session.unregister(state.registered, pool)
+                state.registered = None
+            return stages.prefetch_share(
+                checkpoint,
+                share,
+                mode,
+                pool if mode is RegisterMode.direct else None,
+                plan=plan,
+                read_threads=req.read_threads,
+                reporter=job.reporter,
+                drop_page_cache=opts.drop_page_cache,
             )
-            failure.request = request
-            transfer_began = True
-            with failure.watching():
-                try:
-                    stages.push(
-                        job,
-                        session,
-                        name,
-                        request,
-                        broadcast=True,
-                        p2p_ranks=None,
-                        nbytes=checkpoint.total_bytes,
-                    )
-                except CkptctlError:
-                    failure.raise_if_failed()  # the server's words, not the rescue's echo
-                    raise
-            if servers.weight_version is not None:
-                stages.verify_weight_version(
-                    job, assignment, servers.engine, servers.weight_version
-                )
-            if verification is not None:
-                names = {t.name for t in checkpoint.tensors}
-                verified = check_weights(job, assignment, verification, names)
+
+        # The first push may wait for the server's start-up (its deadline); later ones
+        # wait --server-wait at most: a server that is down fails the push, not the job.
+        if action == "restore":
+            wait, flag = min(opts.server_wait, RESTORE_SERVER_WAIT_S), "a restore's wait"
+        elif state.server_seen:
+            wait, flag = opts.server_wait, "serve --server-wait"
+        else:
+            wait, flag = None, "serve --push-timeout"
+        t = Transfer(
+            job,
+            req,
+            assignment,
+            session=session,
+            group_built=True,
+            server_wait=wait,
+            server_wait_flag=flag,
+            on_planned=on_planned,
+            prefetch=prefetch,
+            guard=PushFailure(job, session),
+        )
+        try:
+            t.run()
             # checkpoint-engine #106: its own barrier no longer waits after the first update.
             job.barrier("pushed")
         except BaseException as exc:
             # This push failed: drop it. The previous one stays registered, except in direct
             # mode, which released it above to refill its buffers.
-            session.unregister(name, pool)
-            if transfer_began and session.workers_connected():  # read by failure_result
+            if t.registered:
+                session.unregister(name, pool)
+            if t.transfer_began and session.workers_connected():  # read by failure_result
                 exc.server_weights = "partial"  # type: ignore[attr-defined]
             raise
+        finally:
+            if t.server_up:
+                state.server_seen = True
+        checkpoint = t.checkpoint
+        assert checkpoint is not None and t.plan is not None
         previous, state.registered = state.registered, name
         served = command.get("restores", command["seq"])  # the push whose checkpoint this is
         state.layout = ServedLayout(served, checkpoint.tensors)
         if previous is not None:
             session.unregister(previous, pool)
-        if pool is not None and mode == "consume":
+        if pool is not None and mode is RegisterMode.consume:
             pool.trim()  # the consumed files hold this push: unpin what the pool kept idle
         if pool is not None:
             state.pinned_pool_bytes = pool.pinned_bytes  # (read by status)
-        if mode != "consume":  # consumed files are gone: nothing to push again from them
+        if mode is not RegisterMode.consume:  # consumed files are gone: nothing to push again
             whole = state.whole
             whole[served] = checkpoint
             for old in sorted(whole)[:-KEPT_WHOLE]:
                 del whole[old]
         return {
             "checkpoint_name": name,
-            "split": plan.split,
+            "split": t.plan.split,
             "total_bytes": checkpoint.total_bytes,
-            "tensor_count": len(share.tensors),
+            "tensor_count": len(checkpoint.tensors),  # the whole checkpoint's, as in update
             "pinned_pool_bytes": None if pool is None else pool.pinned_bytes,
-            "verified": verified["how"] if verified else None,
-            "verification": verified,
+            **t.verified_fields(),
             "figures": job.figures(),
         }
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from ckptctl.pipeline.coordination import Coordinator
 from ckptctl.pipeline.job import Job
+from ckptctl.pipeline.request import P2P, RegisterMode, TransferRequest
 from ckptctl.pipeline.serve.control import check_socket_path, default_socket_path, job_targets
 from ckptctl.pipeline.serve.loop import serve_loop
 from ckptctl.pipeline.serve.push import HARD_GRACE_S, gpu_executor
@@ -15,11 +16,8 @@ from ckptctl.pipeline.serve.state import ServeState
 
 @dataclass
 class ServeOptions:
-    servers: Any  # ServerTargets
+    request: TransferRequest  # the servers, split and register mode every push starts from
     control_socket: str | None = None  # None: named after the servers (control.py)
-    split: str = "auto"
-    register_mode: str = "direct"
-    read_threads: int | None = None
     push_timeout: float = 600.0
     server_wait: float = 30.0  # after the first push: how long a push waits for the server
     restore: bool = True  # push the last whole checkpoint again after a partial failure
@@ -35,8 +33,9 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
     from ckptctl.pipeline.job import prepare_environment, run_job
 
     launch = prepare_environment(bucket_size_gb=opts.bucket_size_gb, mem_fraction=opts.mem_fraction)
-    assignment = opts.servers.assign(launch)
-    targets = job_targets(opts.servers.endpoints, opts.servers.uds)
+    servers = opts.request.servers
+    assignment = servers.assign(launch)
+    targets = job_targets(servers.endpoints, servers.uds)
     control_socket = opts.control_socket
     if launch.local_rank == 0:
         # Refuse a socket path we could not use now, not after a minute of start-up.
@@ -55,12 +54,12 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
             job.watchdog.coordinator = job.coordinator
         # A push's collectives may wait until its watchdog ends the job (push.py).
         session = stages.start_parameter_server(
-            job, p2p="off", longest_wait_s=opts.push_timeout + HARD_GRACE_S
+            job, p2p=P2P.off, longest_wait_s=opts.push_timeout + HARD_GRACE_S
         )
         # The NCCL group now, not at the first push: a job that cannot build it fails at
         # start-up instead of failing every push.
         stages.build_group(job, session)
-        if opts.register_mode == "direct":
+        if opts.request.register_mode is RegisterMode.direct:
             from ckptctl.pipeline.host_memory import PinnedPool
 
             state.pool = PinnedPool()  # pinned once, refilled by every push

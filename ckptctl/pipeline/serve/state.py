@@ -16,6 +16,8 @@ from ckptctl.defaults import PUSH_LOG_SIZE
 from ckptctl.errors import ExitCode
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
     from ckptctl.pipeline.host_memory import PinnedPool
 
@@ -25,7 +27,7 @@ class ServedLayout:
     """The tensors the server holds: a push of another layout is refused (push.check_layout)."""
 
     seq: int  # the push whose checkpoint it is
-    tensors: list[TensorInfo]  # their names, dtypes and shapes
+    tensors: Sequence[TensorInfo]  # their names, dtypes and shapes
 
 
 @dataclass

@@ -1,16 +1,10 @@
 """checkpoint-engine's modules, imported without running its package `__init__` first.
 
-`import checkpoint_engine.ps` executes checkpoint_engine/__init__.py before ps.py, and that
-imports the package's HTTP API (fastapi, starlette, its pydantic request models): 4.5 s for
-`import checkpoint_engine.ps` against 3.4 s for `import torch` alone on the H200 machine, on
-every rank's critical path, for an API no rank uses. The modules we use (ps, data_types,
-device_utils, worker) import their siblings directly and never the API.
-
-So the package is entered as a bare module - its `__path__`, nothing executed - and its
-`__init__` runs the first time anyone asks the package itself for a name (`from
-checkpoint_engine import X`, `checkpoint_engine.__version__`), through a module `__getattr__`
-(PEP 562): code that expects the whole package still gets it, only later.
-tests/test_engine_import.py fails when checkpoint-engine changes so that this stops holding.
+checkpoint_engine/__init__.py imports the package's HTTP API (fastapi, starlette, pydantic
+models), which no rank uses, on every rank's critical path; the modules we use (ps, data_types,
+device_utils, worker) import their siblings directly. So the package is entered as a bare
+module, and its `__init__` runs when the package itself is first asked for a name, through a
+module `__getattr__` (PEP 562). tests/test_engine_internals.py fails when that stops holding.
 """
 
 from __future__ import annotations

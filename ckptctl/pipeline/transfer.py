@@ -1,0 +1,186 @@
+"""The one transfer sequence that `update`, `join` and a serve push run on every rank:
+
+    plan → register → wait for the server → group → gather metas → push → verify
+
+What differs is a parameter: a checkpoint to plan and register, or (join) the holders' metas to
+pull from; a parameter server to start, or the one a serve job keeps; how long to wait for the
+server; and (serve) a guard that ends a failed push without ending the job. save-metas runs
+the first half, with no server: up to the gathered metas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ckptctl.pipeline import stages
+from ckptctl.pipeline.request import P2P, RegisterMode, TransferRequest
+from ckptctl.pipeline.verification import (
+    check_offers,
+    check_weights,
+    round_trip_reset,
+    start_hashing,
+)
+
+if TYPE_CHECKING:
+    from ckptctl.checkpoint import Checkpoint, Plan, RankPlan
+    from ckptctl.pipeline.groups import GroupAssignment
+    from ckptctl.pipeline.host_memory import ShareReader
+    from ckptctl.pipeline.job import Job
+    from ckptctl.pipeline.parameter_server import ParameterServerSession
+
+
+class PushGuard(Protocol):
+    """A serve push's guard (serve/push.PushFailure): takes the request's failures and ends
+    the transfer on this rank when the push fails, without ending the job."""
+
+    def __call__(self, code: int, message: str) -> None: ...
+
+    def guarding(
+        self, request: stages.ServerRequest
+    ) -> contextlib.AbstractContextManager[None]: ...
+
+
+def check_consumable_together(job: Job, plan: Plan) -> None:
+    """--consume-shm-files: every rank checks the whole plan, and only once all of them have
+    does any rank consume (pin and delete) a file: one that went ahead would delete files
+    another rank was still checking."""
+    from ckptctl.checkpoint import consume
+
+    consume.check_consumable(plan)
+    job.barrier("consume-checked")
+
+
+def failing_job(job: Job, session: ParameterServerSession) -> Callable[[int, str], None]:
+    """The server's refusal or a timeout during the transfer ends the job (the watchdog); once a
+    worker had taken the IPC handle, the error line says the server may hold a mix of weights."""
+    from ckptctl.errors import PARTIAL_WEIGHTS_NOTE
+
+    def fail(code: int, message: str) -> None:
+        if session.workers_connected() and PARTIAL_WEIGHTS_NOTE not in message:
+            message += f" ({PARTIAL_WEIGHTS_NOTE})"
+        job.watchdog.fail(code, message)
+
+    return fail
+
+
+@dataclass
+class Transfer:
+    """One transfer on this rank: what it is given, then (`run`) how far it got."""
+
+    job: Job
+    request: TransferRequest
+    assignment: GroupAssignment | None  # None: no server (save-metas holds it for joiners)
+    session: ParameterServerSession | None = None  # None: started after planning, with `p2p`
+    p2p: P2P = P2P.off
+    early: stages.EarlyShare | None = None  # update: planned (and read) since the start
+    metas: dict[int, Any] | None = None  # join: the holders' metas (nothing registered here)
+    save_metas_file: str | None = None  # update --save-metas-file
+    group_built: bool = False  # serve: the NCCL group was built at start-up
+    server_wait: float | None = None  # None: until the deadline (exit 4); else exit 1
+    server_wait_flag: str = "--timeout"
+    # serve: checks of the planned checkpoint against what the job served before
+    on_planned: Callable[[Checkpoint], None] | None = None
+    # serve: reads the share into the job's pool; else the early reader, if any
+    prefetch: Callable[[Checkpoint, Plan, RankPlan], ShareReader | None] | None = None
+    guard: PushGuard | None = None  # serve; else a failure ends the job (failing_job)
+
+    checkpoint: Checkpoint | None = None
+    plan: Plan | None = None
+    share: RankPlan | None = None
+    registered: bool = False
+    server_up: bool = False
+    transfer_began: bool = False
+    verified: dict[str, Any] | None = None
+
+    def run(self) -> Transfer:
+        job, req, assignment = self.job, self.request, self.assignment
+        reader = self.early.reader if self.early is not None else None
+        if self.metas is None:
+            assert req.checkpoint_path is not None
+            checkpoint, plan, share = stages.plan_share(
+                job, req.checkpoint_path, req.split, self.early
+            )
+            self.checkpoint, self.plan, self.share = checkpoint, plan, share
+            if self.on_planned is not None:
+                self.on_planned(checkpoint)
+            if req.register_mode is RegisterMode.consume:
+                check_consumable_together(job, plan)  # before any rank consumes a file
+            if self.prefetch is not None:
+                reader = self.prefetch(checkpoint, plan, share)
+        if self.session is None:
+            self.session = stages.start_parameter_server(job, p2p=self.p2p)
+        session = self.session
+        name = req.checkpoint_name
+        if self.checkpoint is not None and self.share is not None:
+            stages.register_share(
+                job, session, name, self.checkpoint, self.share, req.register_mode, reader
+            )
+            self.registered = True
+        verification = None
+        if assignment is not None:
+            wait, flag = self.server_wait, self.server_wait_flag
+            stages.wait_for_server(job, assignment, req.servers.engine, limit_s=wait, flag=flag)
+            self.server_up = True
+            if req.verify:  # before anything is pushed: exit 3 where it cannot be done
+                verification = check_offers(job, assignment, req.verify, hashes=self.registered)
+                start_hashing(job, session, name, verification)
+        if not self.group_built:
+            stages.build_group(job, session)
+        stages.gather_metas(job, session, name, reader)
+        if self.save_metas_file:
+            stages.save_metas(job, session, self.save_metas_file, name)
+        if assignment is None:
+            return self
+        if self.metas is not None:
+            session.load_metas(self.metas)
+        if verification is not None:
+            round_trip_reset(job, assignment, verification)
+        request = stages.ServerRequest(
+            assignment,
+            req.servers,
+            job.watchdog,
+            timeout=req.timeout,
+            transfer_finished=session.wait_transfer_finished,
+            on_failure=self.guard or failing_job(job, session),
+            flag=req.timeout_flag,
+        )
+        self.transfer_began = True
+        guarding = self.guard.guarding(request) if self.guard else contextlib.nullcontext()
+        with guarding:
+            stages.push(
+                job,
+                session,
+                name,
+                request,
+                broadcast=req.update_method.broadcasts,
+                p2p_ranks=list(range(req.servers.parallel_size))
+                if req.update_method.uses_p2p
+                else None,
+                nbytes=self.nbytes,
+            )
+        if req.servers.weight_version is not None:
+            stages.verify_weight_version(
+                job, assignment, req.servers.engine, req.servers.weight_version
+            )
+        if verification is not None:
+            names = {t.name for t in self.checkpoint.tensors} if self.checkpoint else None
+            self.verified = check_weights(job, assignment, verification, names)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        if self.checkpoint is not None:
+            return self.checkpoint.total_bytes
+        return sum(
+            meta_list.size
+            for entry in (self.metas or {}).values()
+            for meta_list in entry.memory_buffer_metas_list
+        )
+
+    def verified_fields(self) -> dict[str, Any]:
+        """`verified` (how, in a result's words) and `verification` (what was checked)."""
+        how = self.verified["how"] if self.verified else None
+        return {"verified": how, "verification": self.verified}
