@@ -2,7 +2,7 @@
 broadcast and checked for p2p, every worker reply seen and every wait bounded, a failed push
 ended without ending the process, and checkpoint files never handed over for deletion.
 
-    session = ParameterServerSession(p2p="off", io_timeout=lambda: 60.0)
+    session = ParameterServerSession(p2p=P2P.off, io_timeout=lambda: 60.0)
     session.register(name, named_tensors); session.gather(name); session.update(name, req, None)
 """
 
