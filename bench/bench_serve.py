@@ -79,6 +79,15 @@ def set_receiver(endpoint: str, **config: Any) -> None:
     httpx.post(f"{endpoint}/receiver/config", json=config, timeout=30).raise_for_status()
 
 
+def traced_medians(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """push --trace's cost: the median push through the client with and without it."""
+    out: dict[str, float | None] = {}
+    for key, traced in (("median_api_push_traced_s", True), ("median_api_push_untraced_s", False)):
+        seconds = [r["client_wall_s"] for r in rows if r.get("traced") is traced]
+        out[key] = statistics.median(seconds) if seconds else None
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="qwen3-8b")
@@ -102,6 +111,12 @@ def main() -> None:
     parser.add_argument("--logs", help="where the job's stderr goes (default: WORKDIR/logs)")
     parser.add_argument("--extra", default="", help="more flags for ckptctl serve")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="every other push through the client writes its timeline here (push --trace): "
+        "the medians with and without it, and the last one's file",
+    )
     args = parser.parse_args()
 
     # The first is bench_update.py's (same seed), reused when that already wrote it.
@@ -143,6 +158,7 @@ def main() -> None:
             consume = i >= args.pushes + args.api_pushes
             via = "python" if args.pushes <= i < args.pushes + args.api_pushes else "cli"
             extra, copy_s = [], None
+            traced = bool(args.trace) and via == "python" and (i - args.pushes) % 2 == 1
             if consume:
                 # A trainer that writes its checkpoint into /dev/shm and hands it over: the
                 # copy stands in for its write (timed apart), the push pins the files in place
@@ -154,7 +170,13 @@ def main() -> None:
             set_receiver(endpoint, verify_against=str(ckpt))
             t0 = time.perf_counter()
             if via == "python":
-                answer = client.push(ckpt, weight_version=f"v{i}", control_socket=sock, check=False)
+                answer = client.push(
+                    ckpt,
+                    weight_version=f"v{i}",
+                    control_socket=sock,
+                    check=False,
+                    trace=args.trace if traced else None,
+                )
                 seconds = time.perf_counter() - t0
                 r = subprocess.CompletedProcess(
                     [], 0 if answer["ok"] else answer["exit_code"], json.dumps(answer), ""
@@ -177,6 +199,7 @@ def main() -> None:
                 "checkpoint": ckpt.name,
                 "path": "/dev/shm, consumed" if consume else "disk (page cache)",
                 "via": via,
+                "traced": traced,
                 "shm_copy_s": None if copy_s is None else round(copy_s, 3),
                 "shm_files_left": sorted(os.listdir(shm_dir)) if consume else None,
                 "client_wall_s": round(seconds, 3),
@@ -237,6 +260,7 @@ def main() -> None:
         "median_push_after_first_s": statistics.median(disk[1:]) if len(disk) > 1 else None,
         # ckptctl.client.push from the benchmark's own process: no CLI start-up per push
         "median_api_push_s": statistics.median(api) if api else None,
+        **traced_medians(from_disk("python")[1:]),
         # the job's own time per push (slowest rank), whichever client asked
         "median_in_job_s": statistics.median(in_job[1:]) if len(in_job) > 1 else None,
         "pushes": pushes,
@@ -247,7 +271,8 @@ def main() -> None:
         f"--pushes {args.pushes} --api-pushes {args.api_pushes} "
         f"--register-mode {args.register_mode} "
         f"--consume-pushes {args.consume_pushes}"
-        + (f" --extra '{args.extra}'" if args.extra else ""),
+        + (f" --extra '{args.extra}'" if args.extra else "")
+        + (f" --trace {args.trace}" if args.trace else ""),
     }
     mode = "consume" if args.consume_pushes else args.register_mode
     write_results(args.out, f"serve-{args.model}-tp{args.tp}-{mode}", doc, markdown(doc))
@@ -316,6 +341,13 @@ def markdown(doc: dict[str, Any]) -> str:
             f"**Median through `ckptctl.client.push` (from a Python process, as a training "
             f"loop would): {doc['median_api_push_s']:.2f} s**; the job's own time per push "
             f"(slowest rank, median after the first): {doc['median_in_job_s'] or 0:.2f} s.",
+            "",
+        ]
+    if doc.get("median_api_push_traced_s") is not None:
+        lines += [
+            f"With `push --trace` (every other push through the client, the first aside): "
+            f"median {doc['median_api_push_traced_s']:.2f} s, without: "
+            f"{doc['median_api_push_untraced_s'] or 0:.2f} s.",
             "",
         ]
     consumed = [r for r in doc["pushes"] if r.get("shm_copy_s") is not None]
