@@ -162,12 +162,17 @@ def wait_ready(
     deadline = start + timeout
     attempts = 0
     probe = Probe(False, "not tried")
+    answered: Probe | None = None  # the last attempt the server answered
+    cut_short = False
     while True:
         remaining = deadline - clock()
         if remaining <= 0 and attempts > 0:
             break
         attempts += 1
+        cut_short = remaining < attempt_timeout  # the deadline's slice, not a whole attempt
         probe = prober.probe(max(min(attempt_timeout, remaining), 0.05))
+        if probe.http_status is not None:
+            answered = probe
         elapsed = clock() - start
         if on_attempt is not None:
             on_attempt(probe, attempts, elapsed)
@@ -179,4 +184,8 @@ def wait_ready(
         if remaining <= 0:
             break
         time.sleep(min(interval, remaining))
+    if probe.http_status is None and cut_short and answered is not None:
+        # An attempt the deadline cut short says nothing of a server that answered before:
+        # report that answer (the advice differs: the server runs).
+        probe = answered
     return WaitResult(False, clock() - start, attempts, probe.status, probe.weight_version)

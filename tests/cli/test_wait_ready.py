@@ -242,6 +242,34 @@ def test_every_attempt_is_clipped_to_the_deadline(
     assert result.elapsed_s == timeout
 
 
+class _AnswersThenStalls:
+    """A server that answers 503 at once, then (a busy machine) not within the last attempt."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+
+    def probe(self, attempt_timeout: float) -> Probe:
+        if self.clock.now < 0.5:
+            self.clock.now += 0.125
+            return Probe(False, "HTTP 503", 503)
+        self.clock.now += attempt_timeout
+        return Probe(False, f"no answer within {attempt_timeout:g}s")
+
+
+def test_an_attempt_cut_short_by_the_deadline_does_not_hide_an_earlier_answer() -> None:
+    """The last attempt gets only what is left of --timeout; its "no answer" would advise
+    checking that the server runs, when the attempts before it saw it answer."""
+    clock = _Clock()
+    result = wait_ready(
+        _AnswersThenStalls(clock),  # type: ignore[arg-type]
+        timeout=1.0,
+        interval=0.001,
+        attempt_timeout=0.75,
+        clock=clock,
+    )
+    assert not result.ready and result.last_status == "HTTP 503"
+
+
 def _attempt_timeouts(stderr: str) -> list[float]:
     return [float(x) for x in re.findall(r"no answer within ([0-9.]+)s", stderr)]
 
@@ -505,7 +533,7 @@ def test_a_running_but_unhealthy_server_is_not_called_down(server: FakeServer) -
     what to do about the 503, not to check that it runs."""
     r = invoke(
         "wait-ready", "--endpoint", server.endpoint, "--for", "healthy", "--timeout", ANSWERED,
-        *FAST,
+        "--interval", "0.05", "--attempt-timeout", ANSWERED,  # (its 503s seen on a busy machine)
     )  # fmt: skip
     assert r.exit_code == 4
     error = r.stderr.splitlines()[-1]

@@ -100,20 +100,20 @@ def main(scenario: str) -> None:
         # save-metas' serving phase: the test signals one rank, or every rank.
         from ckptctl.pipeline.coordination import StoppedByPeer
         from ckptctl.pipeline.job import Job
-        from ckptctl.pipeline.stages import serve
+        from ckptctl.pipeline.stages import hold_for_joiners
         from ckptctl.progress import Reporter
 
         job = Job(launch, coordinator, watchdog, Reporter(print, primary=launch.rank == 0))
 
         def announce() -> None:
-            # Once serve() has taken over the signals: a SIGTERM from now on stops it cleanly.
+            # Once hold_for_joiners() has taken over the signals: a SIGTERM from now on stops it cleanly.
             while job.watchdog.on_signal is None:
                 time.sleep(0.01)
             say(f"rank {launch.rank} pid {os.getpid()} serving")
 
         threading.Thread(target=announce, daemon=True).start()
         try:
-            ended = serve(job, None)
+            ended = hold_for_joiners(job, None)
         except StoppedByPeer as exc:  # (the CLI prints it as an error line, exit 130)
             say(f"rank {launch.rank}: interrupted: {exc}")
             watchdog.stop()
