@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,6 +250,9 @@ class BackgroundHasher:
     seconds: float = 0.0
     nbytes: int = 0
     error: BaseException | None = None
+    # Waited for in the thread before hashing (the bytes may still be being read); what it
+    # raises is the hasher's error.
+    ready: Callable[[], None] | None = None
     _thread: threading.Thread | None = None
 
     def start(self) -> BackgroundHasher:
@@ -261,6 +264,9 @@ class BackgroundHasher:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
+            if self.ready is not None:
+                self.ready()
+                t0 = time.perf_counter()
             self.hashes = sha256_tensors(self.items, self.threads)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
             self.error = exc

@@ -1,8 +1,8 @@
 """checkpoint-engine's private attributes: touched here, and nowhere else in ckptctl.
 
-Where its public API has no hook, ckptctl wraps the ParameterServer's zmq socket factory,
-starts its socket counter at random, hands it buffers pinned by us, and sets what gather_metas
-would from the shared plan. None of it is a promised interface: on a version other than
+Where its public API has no hook, ckptctl wraps the ParameterServer's zmq socket factory and
+its copy of a bucket out of the host buffers, starts its socket counter at random, hands it
+buffers pinned by us, and sets what gather_metas would from the shared plan. None of it is a promised interface: on a version other than
 WRITTEN_FOR it refuses with one line before touching anything, and names a missing attribute.
 The version helpers import neither torch nor checkpoint-engine (`ckptctl doctor` uses them).
 """
@@ -10,6 +10,7 @@ The version helpers import neither torch nor checkpoint-engine (`ckptctl doctor`
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -102,6 +103,34 @@ def wrap_socket_factory(ps: Any, wrap: Callable[[Any], Any]) -> None:
         return wrap(socket), paths
 
     ps._bind_zmq_socket = bind_wrapped
+
+
+# The signature of ParameterServer._copy_to_buffer that `wrap_bucket_copy` is written for.
+BUCKET_COPY_PARAMETERS = ["checkpoint_name", "bucket", "buffer", "owner_rank"]
+
+
+def wrap_bucket_copy(ps: Any, wrap: Callable[[Callable[..., None]], Callable[..., None]]) -> None:
+    """Make the ParameterServer's copy of a bucket out of the registered host buffers (the one
+    place an update reads them: into its H2D buffer, or straight into the IPC buffer) pass
+    through `wrap(original)`. A copy of another signature is refused: a wrapper that
+    misread its arguments would copy memory nobody checked."""
+    original = _require(ps, "_copy_to_buffer", "_get_memory_pool")
+    try:
+        params: list[str] | None = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        params = None
+    if params != BUCKET_COPY_PARAMETERS:
+        raise OperationFailed(
+            f"{DISTRIBUTION} {installed_version()}'s ParameterServer._copy_to_buffer takes "
+            f"{params}, not ({', '.join(BUCKET_COPY_PARAMETERS)}): a push cannot overlap its "
+            f"read with the transfer (ckptctl is written for {DISTRIBUTION}{WRITTEN_FOR})"
+        )
+    ps._copy_to_buffer = wrap(original)
+
+
+def registered_buffer(ps: Any, name: str, index: int) -> Any:
+    """The host tensor of checkpoint `name`'s buffer `index`, as its bucket copy reads it."""
+    return _require(ps, "_get_memory_pool")(name)[index].buffer
 
 
 def add_checkpoint(ps: Any, name: str, buffers: list[Any]) -> None:

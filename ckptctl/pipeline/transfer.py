@@ -85,6 +85,9 @@ class Transfer:
     on_planned: Callable[[Checkpoint], None] | None = None
     # serve: reads the share into the job's pool; else the early reader, if any
     prefetch: Callable[[Checkpoint, Plan, RankPlan], ShareReader | None] | None = None
+    # serve: registers the reader's buffers while it still fills them (True: overlap.py);
+    # else they are registered once read
+    register_early: Callable[[str, ShareReader], bool] | None = None
     guard: PushGuard | None = None  # serve; else a failure ends the job (failing_job)
 
     checkpoint: Checkpoint | None = None
@@ -115,10 +118,16 @@ class Transfer:
         session = self.session
         name = req.checkpoint_name
         if self.checkpoint is not None and self.share is not None:
-            stages.register_share(
-                job, session, name, self.checkpoint, self.share, req.register_mode, reader
-            )
+            early = self.register_early
+            if early is None or reader is None or not early(name, reader):
+                stages.register_share(
+                    job, session, name, self.checkpoint, self.share, req.register_mode, reader
+                )
             self.registered = True
+            if reader is not None:
+                # A read still running (register_early) that failed already fails here, where
+                # every rank can still give up on the push, before any byte moves.
+                reader.raise_if_failed()
         verification = None
         if assignment is not None:
             wait, flag = self.server_wait, self.server_wait_flag
@@ -126,7 +135,7 @@ class Transfer:
             self.server_up = True
             if req.verify:  # before anything is pushed: exit 3 where it cannot be done
                 verification = check_offers(job, assignment, req.verify, hashes=self.registered)
-                start_hashing(job, session, name, verification)
+                start_hashing(job, session, name, verification, reader)
         if not self.group_built:
             stages.build_group(job, session)
         stages.gather_metas(job, session, name, reader)

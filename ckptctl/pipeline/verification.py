@@ -23,6 +23,7 @@ from ckptctl.pipeline.job import Job
 from ckptctl.pipeline.request import Verify
 
 if TYPE_CHECKING:
+    from ckptctl.pipeline.host_memory import ShareReader
     from ckptctl.pipeline.parameter_server import ParameterServerSession
 
 
@@ -79,15 +80,22 @@ def check_offers(
 
 
 def start_hashing(
-    job: Job, session: ParameterServerSession, name: str, verification: Verification
+    job: Job,
+    session: ParameterServerSession,
+    name: str,
+    verification: Verification,
+    reader: ShareReader | None = None,
 ) -> None:
-    """For compare_checksum: hash this rank's registered tensors while the update runs."""
+    """For compare_checksum: hash this rank's registered tensors while the update runs, once
+    `reader` (which may still be filling them: overlap.py) has read them."""
     if verification.how is not Verify.checksum:
         return
     from ckptctl.verify import BackgroundHasher, hashing_threads
 
     threads = hashing_threads(job.launch.local_world_size)
-    verification.hasher = BackgroundHasher(session.registered_bytes(name), threads).start()
+    ready = None if reader is None else reader.wait_read
+    hasher = BackgroundHasher(session.registered_bytes(name), threads, ready=ready)
+    verification.hasher = hasher.start()
 
 
 def round_trip_reset(job: Job, assignment: GroupAssignment, verification: Verification) -> None:

@@ -18,7 +18,18 @@ What the stand-in can be told to do:
 - CPU_PS_TRANSFER=zmq: the update is the real ParameterServerSession's, around `CpuEngine`,
   which speaks checkpoint-engine's IPC protocol over real zmq sockets to the server's workers
   (a FakeServer whose on_update is tests/fake_worker.ZmqWorkers): the server can die, hang or
-  fail mid-transfer, and the job must end the transfer as it would on a GPU.
+  fail mid-transfer, and the job must end the transfer as it would on a GPU;
+- CPU_PS_COPY=DIR (with CPU_PS_TRANSFER=zmq): a checkpoint registered as buffers (direct
+  registration) is sent with its bytes, the way checkpoint-engine sends it: its own
+  `_gen_h2d_buckets` (buckets of CPU_PS_BUCKET_BYTES), its own `_copy_to_buffer` (which
+  ckptctl may wrap) into a host "H2D buffer", then into a double buffer in a file under DIR
+  that the server's workers map (the "IPC handle" names it), announced with its own
+  `_to_named_tensor` metas;
+- CPU_PS_READ_HOLD=DIR: the reader's open of a shard X waits while DIR/hold-X exists, until
+  DIR/loaded (or DIR/connected, with DIR/hold-X holding "connected") exists - which the
+  server's workers write (fake_worker.ZmqWorkers.flags) - at most 20 s; with DIR/cut-X it
+  then cuts X short (a writer truncating it mid-push). Each open so held appends a line
+  {"held": X, "released": true|false} to DIR/holds.
 """
 
 from __future__ import annotations
@@ -64,6 +75,7 @@ class CpuParameterServerSession:
         self.rescued: str | None = None
         self.on_bucket_loaded: Any = None
         self.real: Any = None  # CPU_PS_TRANSFER=zmq: the real session, around a CpuEngine
+        self._engine: Any = None
         if os.environ.get("CPU_PS_TRANSFER") == "zmq":
             real = object.__new__(REAL_SESSION)  # its constructor needs CUDA
             real.ps = CpuEngine(self)
@@ -81,20 +93,30 @@ class CpuParameterServerSession:
     def register_buffers(self, name: str, buffers: list[Any]) -> None:
         self.registered[name] = {m.name: m for b in buffers for m in b.metas}
         self.buffers[name] = buffers
-        # What landed in the buffers (tests fill each checkpoint with one byte value) and
-        # where: a test reads this to see a pool refilled in place.
+
+    def _log_buffers(self, name: str) -> None:
+        """CPU_PS_LOG: what landed in the buffers (tests fill each checkpoint with one byte
+        value) and where: a test reads this to see a pool refilled in place. Read at the update,
+        through checkpoint-engine's own copy of each buffer (which ckptctl gates while a push's
+        read is still filling them): then the bytes are there."""
+        from checkpoint_engine.data_types import BucketRange, H2DBucket
+
+        buffers = self.buffers.get(name)
+        if buffers is None:
+            return
         fills = set()
-        for b in buffers:
+        for i, b in enumerate(buffers):
+            whole = H2DBucket.model_construct(size=b.size, ranges=[BucketRange(i, 0, b.size)])
+            copy = torch.empty(b.size, dtype=torch.uint8)
+            self.ps._copy_to_buffer(name, whole, copy)
             offset = 0
             for m in b.metas:
                 n = m.dtype.itemsize * int(torch.Size(m.shape).numel())
-                fills.update(b.buffer[offset : offset + n].unique().tolist())
+                fills.update(copy[offset : offset + n].unique().tolist())
                 offset += m.aligned_size
-        log = os.environ.get("CPU_PS_LOG")
-        if log:
-            with open(f"{log}.{self.rank}", "a") as fh:
-                ptrs = sorted(b.buffer.data_ptr() for b in buffers)
-                fh.write(json.dumps({"name": name, "ptrs": ptrs, "fills": sorted(fills)}) + "\n")
+        with open(f"{os.environ['CPU_PS_LOG']}.{self.rank}", "a") as fh:
+            ptrs = sorted(b.buffer.data_ptr() for b in buffers)
+            fh.write(json.dumps({"name": name, "ptrs": ptrs, "fills": sorted(fills)}) + "\n")
 
     def register_files(self, name: str, files: list[str]) -> None:
         # What checkpoint-engine's in-place pinning does with /dev/shm files: pin, then delete.
@@ -136,6 +158,21 @@ class CpuParameterServerSession:
     def wait_transfer_finished(self, timeout: float) -> bool:
         return True if self.real is None else self.real.wait_transfer_finished(timeout)
 
+    # What ckptctl.pipeline.overlap reaches (CPU_PS_TRANSFER=zmq): the engine, the transfer.
+    @property
+    def ps(self) -> Any:
+        if self.real is not None:
+            return self.real.ps
+        if self._engine is None:  # (its copies never run: this stand-in sends no bytes)
+            self._engine = CpuEngine(self)
+        return self._engine
+
+    def buckets_announced(self) -> bool:
+        return True if self.real is None else self.real.buckets_announced()
+
+    def cancelled(self) -> str | None:
+        return None if self.real is None else self.real.cancelled()
+
     def cancel(self, message: str) -> None:
         if self.real is not None:
             self.real.cancel(message)
@@ -164,6 +201,8 @@ class CpuParameterServerSession:
     def update(self, name: str, req_func: Any, ranks: list[int] | None) -> None:
         from ckptctl.errors import OperationFailed
 
+        if os.environ.get("CPU_PS_LOG"):
+            self._log_buffers(name)
         if self.real is not None:
             self.real.on_bucket_loaded = self.on_bucket_loaded
             try:
@@ -246,6 +285,18 @@ class CpuEngine:
         self._count = 0
         # ipc names are machine-wide: this job's own (its ranks agree on it)
         self._token = os.environ.get("MASTER_PORT", "") + "-" + str(os.getppid())
+        from types import MethodType, SimpleNamespace
+
+        from checkpoint_engine.ps import ParameterServer
+
+        # checkpoint-engine's own copy of a bucket out of the registered buffers (CPU_PS_COPY)
+        self._copy_to_buffer = MethodType(ParameterServer._copy_to_buffer, self)
+        self.device_manager = SimpleNamespace(device_module=SimpleNamespace(synchronize=_no_op))
+
+    def _get_memory_pool(self, name: str) -> list[Any]:
+        if name not in self.session.buffers:
+            raise RuntimeError(f"checkpoint {name} is not registered")
+        return self.session.buffers[name]
 
     def _bind_zmq_socket(self) -> tuple[Any, list[tuple[str, str]]]:
         import zmq
@@ -265,31 +316,55 @@ class CpuEngine:
         ]
         return [metas[i::count] for i in range(count)]
 
-    def _all_reduce(self, key: str, value: int) -> int:
+    def _all_gather(self, key: str, value: int) -> list[int]:
         store, world, rank = self.session.group_store, self.session.world, self.session.rank
         if store is None:
-            return value
+            return [value]
         store.set(f"{key}/{rank}", str(value))
         keys = [f"{key}/{r}" for r in range(world)]
         while not store.check(keys):
             time.sleep(0.005)
-        return sum(int(store.get(k)) for k in keys)
+        return [int(store.get(k)) for k in keys]
+
+    def _all_reduce(self, key: str, value: int) -> int:
+        return sum(self._all_gather(key, value))
 
     def update(self, name: str, req_func: Any, ranks: list[int] | None = None) -> None:
         self._count += 1
         key = f"cpu-ps-zmq/{name}/{self._count}"
+        rank = self.session.rank
+        handle: Any = ("cpu-ipc-handle", rank)
+        path = None
+        if os.environ.get("CPU_PS_COPY") and name in self.session.buffers:
+            path = os.path.join(
+                os.environ["CPU_PS_COPY"], f"ipc-{self._token}-{rank}-{self._count}"
+            )
+            steps = self._byte_buckets(name, path)
+            handle = (*handle, path)
+        else:
+            steps = [lambda bucket=bucket: bucket for bucket in self._buckets(name)]
+        count = max(self._all_gather(f"{key}/count", len(steps)))
         socket, paths = self._bind_zmq_socket()
         req_thread = threading.Thread(target=req_func, args=(paths,))
         req_thread.start()
-        socket.send_pyobj(("cpu-ipc-handle", self.session.rank))
+        socket.send_pyobj(handle)
+        pending = True  # a message of ours waits for its reply
         try:
-            for i, bucket in enumerate(self._buckets(name)):
-                resp = socket.recv()
+            for i in range(count):
+                resp, message = b"", None
+                if i < len(steps):
+                    message = steps[i]()  # (with bytes: the bucket's copy, then its metas)
+                    resp, pending = socket.recv(), False
                 if self._all_reduce(f"{key}/{i}", int(resp != b"")):
+                    if pending:
+                        socket.recv()
                     socket.send_pyobj(RuntimeError("Some workers failed to update weights"))
                     raise RuntimeError("Failed to update weights due to remote errors")
-                socket.send_pyobj(bucket)
-            socket.recv()
+                if message is not None:
+                    socket.send_pyobj(message)
+                    pending = True
+            if pending:
+                socket.recv()
             socket.send_pyobj(None)
             socket.recv()
             socket.send_pyobj(None)
@@ -298,6 +373,70 @@ class CpuEngine:
             req_thread.join()
             self._all_reduce(f"{key}/end", 0)
             socket.close()
+            if path is not None:
+                os.unlink(path)
+
+    def _byte_buckets(self, name: str, path: str) -> list[Any]:
+        """CPU_PS_COPY: checkpoint-engine's buckets of this rank's buffers, each step copying
+        one (its `_copy_to_buffer` into a host "H2D buffer", then into its slot of the double
+        buffer at `path`) and returning its metas, as `_update_per_bucket` does."""
+        from checkpoint_engine.data_types import MemoryBufferMetaList, MemoryBufferMetas
+        from checkpoint_engine.ps import _gen_h2d_buckets, _to_named_tensor
+
+        pool = self.session.buffers[name]
+        size = int(os.environ.get("CPU_PS_BUCKET_BYTES", str(1 << 20)))
+        size = max([size] + [m.aligned_size for b in pool for m in b.metas])
+        metas = MemoryBufferMetaList.model_construct(
+            p2p_store_addr=None,
+            rdma_device="",
+            memory_buffer_metas_list=[
+                MemoryBufferMetas.model_construct(
+                    metas=b.metas, ptr=b.buffer.data_ptr(), size=b.size
+                )
+                for b in pool
+            ],
+        )
+        rank = self.session.rank
+        buckets = [b for _, _, b in _gen_h2d_buckets({rank: metas}, size, {}, {})] if pool else []
+        ipc = torch.from_file(path, shared=True, size=2 * size, dtype=torch.uint8)
+        h2d = torch.empty(size, dtype=torch.uint8)
+
+        def step(i: int) -> Any:
+            self._copy_to_buffer(name, buckets[i], h2d)
+            start = i % 2 * size
+            ipc[start : start + buckets[i].size].copy_(h2d[: buckets[i].size])
+            return _to_named_tensor(buckets[i].items, start)
+
+        return [lambda i=i: step(i) for i in range(len(buckets))]
+
+
+def _no_op() -> None:
+    pass
+
+
+def hold_reads(hold_dir: str) -> None:
+    """CPU_PS_READ_HOLD (see the module's doc): the reader's opens, held and cut on demand."""
+    import ckptctl.pipeline.host_memory._file_reads as reads_module
+
+    open_planned = reads_module.open_planned
+
+    def held_open(checkpoint: Any, file: str) -> int:
+        hold = os.path.join(hold_dir, f"hold-{file}")
+        if os.path.exists(hold):
+            with open(hold) as fh:
+                flag = os.path.join(hold_dir, fh.read().strip() or "loaded")
+            deadline = time.monotonic() + 20.0
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            released = os.path.exists(flag)
+            if os.path.exists(os.path.join(hold_dir, f"cut-{file}")):
+                path = checkpoint.path_of(file)
+                os.truncate(path, os.path.getsize(path) // 2)
+            with open(os.path.join(hold_dir, "holds"), "a") as fh:
+                fh.write(json.dumps({"held": file, "released": released}) + "\n")
+        return int(open_planned(checkpoint, file))
+
+    reads_module.open_planned = held_open  # type: ignore[assignment]
 
 
 if __name__ == "__main__":
@@ -310,6 +449,8 @@ if __name__ == "__main__":
     pinning_module.DriverPin.for_rank = classmethod(lambda cls, rank: None)  # type: ignore
     pinning_module.pin_in_place = lambda buffer: None  # type: ignore[assignment]
     pinning_module.unpin = lambda buffer: None  # type: ignore[assignment]
+    if os.environ.get("CPU_PS_READ_HOLD"):
+        hold_reads(os.environ["CPU_PS_READ_HOLD"])
     if os.environ.get("CPU_PS_SLOW_CHECK_RANK") == os.environ.get("RANK", "0"):
         # This rank checks a --consume-shm-files plan late (a slower node, a busy CPU).
         import ckptctl.checkpoint.consume as consume_module

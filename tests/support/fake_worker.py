@@ -17,15 +17,23 @@ it a refusal (HTTP 400). What a test can make the server do while a transfer run
   cancel waits for: the worker is left behind);
 - `die()`: every worker stops answering and closes its socket, and the HTTP request's
   connection is dropped without an answer: the server process died mid-push.
+With a handle that names a file (cpu_ps_rank.py's CPU_PS_COPY) each tensor's bytes are read
+from it at the offset its meta gives, and their SHA-256 kept (`digests`). `flags`: a folder
+where the workers write `connected` once a handle arrived and `loaded` once a bucket was loaded
+(what cpu_ps_rank.py's CPU_PS_READ_HOLD waits for).
 Messages are unpickled here, as checkpoint-engine's worker does: they come from our own PS in
 the same test, never from anything else.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import mmap
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -51,6 +59,9 @@ class ZmqWorkers:
     hold_every_update: bool = False
     holding: threading.Event = field(default_factory=threading.Event)  # a worker is held
     _released: threading.Event = field(default_factory=threading.Event)
+    # What arrived with bytes: tensor name -> SHA-256 of the bytes the worker read for it.
+    digests: dict[str, str] = field(default_factory=dict)
+    flags: Path | None = None
 
     def release(self) -> None:
         self._released.set()
@@ -101,8 +112,14 @@ class ZmqWorkers:
         with self._lock:
             self.loaded[key] = buckets
         outcome = "done"
+        view: Any = None
         try:
-            self._recv(sock)  # the IPC handle
+            handle = self._recv(sock)  # the IPC handle
+            if isinstance(handle, tuple) and len(handle) == 3:  # a file holding the buffer
+                with open(handle[2], "rb") as fh:
+                    view = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+            if self.flags is not None:
+                (self.flags / "connected").touch()
             sock.send(b"")
             nones = 0
             while True:
@@ -135,10 +152,23 @@ class ZmqWorkers:
                     if self._dead.is_set():
                         raise ServerDied
                     time.sleep(0.01)
+                if view is not None:
+                    self._take_bytes(view, msg)
                 buckets.append(names)
+                if self.flags is not None:
+                    (self.flags / "loaded").touch()
                 sock.send(b"")
         except ServerDied:
             outcome = "died"
         finally:
             sock.close(linger=0)
+            if view is not None:
+                view.close()
             outcomes.append(outcome)
+
+    def _take_bytes(self, view: Any, metas: list[dict[str, Any]]) -> None:
+        for m in metas:
+            n = math.prod(m["shape"]) * m["dtype"].itemsize
+            digest = hashlib.sha256(view[m["offset"] : m["offset"] + n]).hexdigest()
+            with self._lock:
+                self.digests[m["name"]] = digest

@@ -11,13 +11,14 @@ import itertools
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
 from ckptctl.checkpoint.headers import Checkpoint, TensorInfo, open_planned
-from ckptctl.errors import InvalidInput
+from ckptctl.errors import CkptctlError, InvalidInput
 
 ALIGN = 256  # checkpoint-engine's _ALIGN_SIZE
 MIN_BUCKET = 4 << 30  # checkpoint-engine's pinned buckets: max(4 GiB, largest tensor)
@@ -120,10 +121,19 @@ def read_runs(buckets: list[HostBucket]) -> list[ReadRun]:
     return runs
 
 
+class ReadStopped(CkptctlError):
+    """The push ended: the reader stops filling its buffers (`ReadProgress.stop`)."""
+
+
 class ReadProgress:
     """How far the reading of some buckets has got, for any thread while it runs: `bytes_read`
     of `total_bytes`, `tensors_read` of `total_tensors` (a tensor counts once its last byte is
-    in), `done` once all is in (never after a failure). `on_read(n)` gets each read's bytes."""
+    in), `done` once all is in (never after a failure). `on_read(n)` gets each read's bytes.
+
+    Also how far each bucket is filled (`filled`, `wait`), for a transfer that copies a bucket
+    out while later runs are still being read: its runs finish out of order across the
+    reader's threads, so a bucket is filled up to its first run not read yet (the padding
+    between tensors, which nobody writes, counts as filled)."""
 
     def __init__(
         self, buckets: list[HostBucket], on_read: Callable[[int], None] | None = None
@@ -134,15 +144,84 @@ class ReadProgress:
         self.bytes_read = 0
         self.tensors_read = sum(t.end == t.start for t in tensors)
         self.done = threading.Event()
+        self.error: BaseException | None = None  # what the reader raised (`fail`)
         self._on_read = on_read
-        self._lock = threading.Lock()
+        self._sizes = [b.size for b in buckets]
+        self._begun = False
+        self._starts: list[list[int]] = []  # per bucket: where each of its runs starts
+        self._read: list[list[bool]] = []
+        self._next: list[int] = []  # per bucket: its first run not read yet
+        self._where: dict[int, tuple[int, int]] = {}  # id(run) -> (bucket, its index there)
+        self._stopped = False
+        self._cond = threading.Condition()
+
+    def begin(self, runs: list[ReadRun]) -> None:
+        """The runs that will be read (fill, in the reader's thread)."""
+        starts: list[list[int]] = [[] for _ in self._sizes]
+        where = {}
+        for run in runs:
+            where[id(run)] = (run.bucket, len(starts[run.bucket]))
+            starts[run.bucket].append(run.pieces[0][0])
+        with self._cond:
+            self._starts, self._where = starts, where
+            self._read = [[False] * len(s) for s in starts]
+            self._next = [0] * len(starts)
+            self._begun = True
+            self._cond.notify_all()
 
     def add(self, run: ReadRun) -> None:
-        with self._lock:
+        """`run`'s bytes are in; ReadStopped once the reading was stopped."""
+        with self._cond:
+            if self._stopped:
+                raise ReadStopped("the push ended: reading stopped")
             self.bytes_read += run.nbytes
             self.tensors_read += run.tensors
+            if self._begun:
+                b, k = self._where[id(run)]
+                read, n = self._read[b], self._next[b]
+                read[k] = True
+                while n < len(read) and read[n]:
+                    n += 1
+                self._next[b] = n
+                self._cond.notify_all()
         if self._on_read is not None:
             self._on_read(run.nbytes)
+
+    def fail(self, exc: BaseException) -> None:
+        """The reader failed: whoever waits hears of it."""
+        with self._cond:
+            if self.error is None:
+                self.error = exc
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """The reader's threads stop after the runs they are reading (a push that failed)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def filled(self, bucket: int) -> int:
+        """Bytes of `bucket`, from its start, that hold what they should."""
+        with self._cond:
+            if not self._begun:
+                return 0
+            n, starts = self._next[bucket], self._starts[bucket]
+            return starts[n] if n < len(starts) else self._sizes[bucket]
+
+    def wait(self, bucket: int, end: int, timeout: float) -> bool:
+        """Whether `bucket` is filled up to `end` within `timeout` seconds; raises what the
+        reader raised."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                if self.filled(bucket) >= end:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
 
 
 def fill(
@@ -157,9 +236,13 @@ def fill(
     drop_cache: bool = False,
 ) -> None:
     """Read every tensor into its place in `targets` (writable views of the buckets), with
-    `threads` threads taking the runs in file order. `fresh`: the targets are untouched memory,
+    `threads` threads taking the runs in file order, which is bucket order, front to back: the
+    order in which checkpoint-engine copies the buckets out (`_gen_h2d_buckets`), so a copy
+    that waits on `progress` rarely waits for more than the runs in flight. `fresh`: the targets are untouched memory,
     populated run by run (`_Populate`). `drop_cache`: see `_OpenFiles`."""
     runs = read_runs(buckets) if runs is None else runs
+    if progress is not None:
+        progress.begin(runs)
     populate = _Populate(targets) if fresh else None
     files = _OpenFiles(checkpoint, runs, drop_cache=drop_cache)
     try:

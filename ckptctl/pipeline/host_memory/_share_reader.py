@@ -125,7 +125,8 @@ class ShareReader:
             pool.trim()
         self._plan, self._rank = plan, rank
         self.planned: dict[int, list[tuple[int, list[Any]]]] | None = None
-        self._metas: list[list[Any]] = []
+        self._metas: list[list[Any]] | None = None  # (`_make_metas`, on whichever thread first)
+        self._metas_lock = threading.Lock()
         self.started_at = time.perf_counter()  # (--trace places the read from here)
         self.read_seconds: float | None = None
         self.pin_seconds: float | None = None
@@ -145,6 +146,7 @@ class ShareReader:
             self._read_and_pin(checkpoint)
         except BaseException as exc:  # noqa: BLE001 - raised by result(), on the caller's thread
             self._error = exc
+            self.progress.fail(exc)  # (a transfer waiting on the bytes hears of it)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether reading, pinning and the metas are done (within `timeout` seconds)."""
@@ -194,17 +196,27 @@ class ShareReader:
                     cuda.pin_in_place(buffer)
                     self._pinned[i] = True
             self.pin_seconds = time.perf_counter() - self.started_at - self.read_seconds
-        if self._plan is not None:
-            self.planned = planned_buffers(self._plan)
-            self._metas = [metas for _, metas in self.planned.get(self._rank, [])]
-            if [size for size, _ in self.planned.get(self._rank, [])] != [
-                b.size for b in self.buckets
-            ]:
-                raise OperationFailed("this rank's buffers are not the ones its plan lays out")
-        else:
-            make = MetaMaker()
-            with gc_paused():
-                self._metas = [make(b) for b in self.buckets]
+        self._make_metas()
+
+    def _make_metas(self) -> list[list[Any]]:
+        """The buckets' metas (and with a plan every rank's: `planned`), made once: by the
+        reader after the read, or before it by `early_buffers` (they need no bytes)."""
+        with self._metas_lock:
+            if self._metas is not None:
+                return self._metas
+            if self._plan is not None:
+                planned = planned_buffers(self._plan)
+                if [size for size, _ in planned.get(self._rank, [])] != [
+                    b.size for b in self.buckets
+                ]:
+                    raise OperationFailed("this rank's buffers are not the ones its plan lays out")
+                self.planned = planned
+                self._metas = [metas for _, metas in planned.get(self._rank, [])]
+            else:
+                make = MetaMaker()
+                with gc_paused():
+                    self._metas = [make(b) for b in self.buckets]
+            return self._metas
 
     def _pin_before_torch(self) -> None:
         """Pin the fresh buckets through the CUDA driver, which needs no torch (DriverPin);
@@ -240,18 +252,44 @@ class ShareReader:
 
     def result(self) -> list[Any]:
         """checkpoint-engine MemoryBuffers (pinned in place when the reader was told to pin)."""
-        from ckptctl.pipeline.ce_import import engine_module
-
-        memory_buffer = engine_module("data_types").MemoryBuffer
         self._thread.join()
         if self._error is not None:  # what reading or pinning raised (InvalidInput...)
             self._abandon()
             raise self._error
+        return self._memory_buffers(self._make_metas())
+
+    @property
+    def pinned_ahead(self) -> bool:
+        """Whether every buffer was pinned before this read (a pool's, from an earlier push):
+        then they can be handed over while the read still fills them (`early_buffers`)."""
+        return self._pool is not None and all(self._pinned)
+
+    def early_buffers(self) -> list[Any]:
+        """The MemoryBuffers now, while the read may still fill them (`pinned_ahead` only): a
+        transfer copies out of them only what `progress` says is filled."""
+        assert self.pinned_ahead
+        return self._memory_buffers(self._make_metas())
+
+    def raise_if_failed(self) -> None:
+        """What the read raised, if it failed already (it may still be running)."""
+        error = self.progress.error
+        if error is not None:
+            raise error
+
+    def wait_read(self) -> None:
+        """Wait until the reader has ended; raise what it raised."""
+        self._thread.join()
+        self.raise_if_failed()
+
+    def _memory_buffers(self, metas: list[list[Any]]) -> list[Any]:
+        from ckptctl.pipeline.ce_import import engine_module
+
+        memory_buffer = engine_module("data_types").MemoryBuffer
         return [
             memory_buffer.model_construct(
-                buffer=buffer, size=bucket.size, metas=metas, manually_pinned=self._pin
+                buffer=buffer, size=bucket.size, metas=m, manually_pinned=self._pin
             )
-            for bucket, buffer, metas in zip(self.buckets, self._buffers, self._metas, strict=True)
+            for bucket, buffer, m in zip(self.buckets, self._buffers, metas, strict=True)
         ]
 
     def _abandon(self) -> None:

@@ -36,6 +36,7 @@ class ReplyWatchingSocket:
         self.on_bucket = on_bucket  # called with a bucket's bytes once the worker loaded it
         self._bucket_in_flight = self._nones_sent = self._replies = 0
         self._bucket_sent_at = 0.0  # (--trace)
+        self.buckets_sent = 0  # buckets the worker was told of (none: its weights are untouched)
         self.handle: Any = None  # the first message: the CUDA IPC handle of the PS's buffer
         # The reply to the second of the None, None that end a transfer: all loaded.
         self.finished = threading.Event()
@@ -78,6 +79,7 @@ class ReplyWatchingSocket:
             return None  # dropped
         sent = self._socket.send_pyobj(obj, *args, **kwargs)
         self.handle_sent.set()
+        self.buckets_sent += isinstance(obj, list)
         return sent
 
     def recv(self, *args: Any, **kwargs: Any) -> bytes:
@@ -266,6 +268,12 @@ class TransferSockets:
         """Whether a server's worker took the current update's IPC handle: from then on a
         failure may leave the server with a mix of old and new weights."""
         return any(s.handle_sent.is_set() and not s.rescued for s in self.sockets)
+
+    def buckets_announced(self) -> bool:
+        """Whether a server's worker was told of a bucket in the current update: a failed one
+        that told none (a read that failed before the first bucket was filled) left the
+        server's weights untouched."""
+        return any(s.buckets_sent for s in self.sockets)
 
     def wait_transfer_finished(self, timeout: float) -> bool:
         """Wait until the current transfer's last reply came back (called from the req thread)."""

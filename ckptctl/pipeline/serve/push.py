@@ -95,6 +95,11 @@ class PushFailure:
             return  # a late word from an abandoned request: the push is decided already
         assert self.job.coordinator is not None
         self.job.coordinator.publish_abort(code, message)
+        # The first failure wins (the abort key): a server that gave up because another rank
+        # failed first (its read, mid-transfer) is not what this push failed of.
+        abort = self.job.coordinator.aborted()
+        if abort is not None and not abort["request"] and abort["rank"] != self.job.launch.rank:
+            code, message = int(abort["code"]), describe_abort(abort)
         self._end_transfer(code, message)
 
     def _end_transfer(self, code: int, message: str) -> None:
@@ -199,8 +204,11 @@ def gpu_executor(
     """One command: a push (the transfer of `update`, then the previous checkpoint is
     unregistered), or a restore / rollback, which pushes an earlier whole checkpoint again
     (`command["restores"]`: its push's seq) if its files have not changed since."""
-    from ckptctl.pipeline import stages
+    from ckptctl.pipeline import overlap, stages
     from ckptctl.pipeline.transfer import Transfer
+
+    # From the second push on, a pool's buffers are handed over while they are read.
+    gate = overlap.Gate(session) if state.pool is not None else None
 
     def execute(job: Job, command: dict[str, Any]) -> dict[str, Any]:
         action = command.get("action", "push")
@@ -247,6 +255,10 @@ def gpu_executor(
             wait, flag = opts.server_wait, "serve --server-wait"
         else:
             wait, flag = None, "serve --push-timeout"
+        guard = PushFailure(job, session)
+        read = None
+        if gate is not None and mode is RegisterMode.direct:
+            read = overlap.OverlappedRead(job, session, gate, guard)
         t = Transfer(
             job,
             req,
@@ -257,18 +269,24 @@ def gpu_executor(
             server_wait_flag=flag,
             on_planned=on_planned,
             prefetch=prefetch,
-            guard=PushFailure(job, session),
+            register_early=None if read is None else read.register,
+            guard=guard,
         )
         try:
             t.run()
+            if read is not None:
+                read.finish()
             # checkpoint-engine #106: its own barrier no longer waits after the first update.
             job.barrier("pushed")
         except BaseException as exc:
             # This push failed: drop it. The previous one stays registered, except in direct
-            # mode, which released it above to refill its buffers.
+            # mode, which released it above to refill its buffers (once its reader stopped).
+            if read is not None:
+                read.stop()
             if t.registered:
                 session.unregister(name, pool)
-            if t.transfer_began and session.workers_connected():  # read by failure_result
+            # (read by failure_result; no bucket announced: the server kept its weights)
+            if t.transfer_began and session.workers_connected() and session.buckets_announced():
                 exc.server_weights = "partial"  # type: ignore[attr-defined]
             raise
         finally:
