@@ -100,13 +100,15 @@ class Transfer:
 
     def run(self) -> Transfer:
         job, req, assignment = self.job, self.request, self.assignment
-        reader = self.early.reader if self.early is not None else None
+        reader: ShareReader | None = None
         if self.metas is None:
             assert req.checkpoint_path is not None
             checkpoint, plan, share = stages.plan_share(
                 job, req.checkpoint_path, req.split, self.early
             )
             self.checkpoint, self.plan, self.share = checkpoint, plan, share
+            if self.early is not None:  # (its thread is done now that it has planned)
+                reader = self.early.reader
             if self.on_planned is not None:
                 self.on_planned(checkpoint)
             if req.register_mode is RegisterMode.consume:

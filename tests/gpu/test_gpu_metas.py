@@ -45,6 +45,7 @@ def test_save_metas_then_inspect_then_join_refuses(
         "3",
         "--json",
         *(["--register-mode", register_mode] if register_mode else []),
+        wait=False,
     )
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-4000:]
@@ -88,7 +89,14 @@ def test_save_metas_then_inspect_then_join_refuses(
 def test_save_metas_serves_until_sigterm_then_unregisters(ckpt: Path, tmp_path: Path) -> None:
     metas = tmp_path / "metas.json"
     proc = torchrun_ckptctl(
-        1, "save-metas", "--checkpoint-path", str(ckpt), "--metas-file", str(metas), "--json"
+        1,
+        "save-metas",
+        "--checkpoint-path",
+        str(ckpt),
+        "--metas-file",
+        str(metas),
+        "--json",
+        wait=False,
     )
     deadline = time.monotonic() + 120
     while not metas.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -124,6 +132,7 @@ def test_update_save_metas_file_uses_the_same_writer(ckpt: Path, tmp_path: Path)
             rx.endpoint,
             "--save-metas-file",
             str(metas),
+            wait=False,
         )
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-3000:]
