@@ -31,6 +31,12 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# checkpoint-engine's own ParameterServer binds one IPC socket name per GPU (its UUID and a
+# counter from 0): two of these tests beside each other on one GPU collide on it, so they run
+# with the gpu_serial ones. (ckptctl's own jobs pick a free name: ce_internals.)
+SMOKE_PS = pytest.mark.gpu_serial
+
+
 class Ranks:
     """The parameter-server ranks, started the way torchrun starts them (RANK, WORLD_SIZE,
     MASTER_* in the environment) but each in its own session, so a rank that hangs in
@@ -85,6 +91,7 @@ def short_uds() -> Iterator[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
+@SMOKE_PS
 def test_ps_rounds_arrive_bit_exact_and_failures_are_caught(
     ckpt: Path, tmp_path: Path, tp: int
 ) -> None:
@@ -104,6 +111,7 @@ def test_ps_rounds_arrive_bit_exact_and_failures_are_caught(
 
 
 @pytest.mark.slow
+@SMOKE_PS
 def test_vllm_profile_over_a_unix_socket(ckpt: Path, tmp_path: Path, short_uds: str) -> None:
     out = tmp_path / "result.json"
     with ReceiverServer(ckpt, devices=[0], profile="vllm", uds=short_uds):
@@ -137,6 +145,7 @@ def test_unknown_gpu_uuid_fails_like_sglang(ckpt: Path) -> None:
 
 
 @pytest.mark.slow
+@SMOKE_PS
 def test_a_worker_that_dies_mid_update_is_reported(ckpt: Path, tmp_path: Path) -> None:
     config = ReceiverConfig(die_in_bucket=1)
     with ReceiverServer(ckpt, devices=[0], config=config) as rx:
