@@ -30,6 +30,8 @@ What the stand-in can be told to do:
   server's workers write (fake_worker.ZmqWorkers.flags) - at most 20 s; with DIR/cut-X it
   then cuts X short (a writer truncating it mid-push). Each open so held appends a line
   {"held": X, "released": true|false} to DIR/holds.
+- CPU_PS_PLAN_LATE=1: the plan made (and share read) early, from the command's start, is done
+  only once the job asks for it (a busy machine's order of events).
 """
 
 from __future__ import annotations
@@ -462,6 +464,24 @@ if __name__ == "__main__":
             check(plan)
 
         consume_module.check_consumable = slow_check  # type: ignore[assignment]
+    if os.environ.get("CPU_PS_PLAN_LATE"):
+        import threading
+
+        import ckptctl.pipeline.stages as stages_module
+
+        asked = threading.Event()
+        read_and_plan, plan_share = stages_module.read_and_plan, stages_module.plan_share
+
+        def late_read_and_plan(*args: Any) -> Any:
+            asked.wait(60)
+            return read_and_plan(*args)
+
+        def asking_plan_share(*args: Any, **kwargs: Any) -> Any:
+            asked.set()
+            return plan_share(*args, **kwargs)
+
+        stages_module.read_and_plan = late_read_and_plan  # type: ignore[assignment]
+        stages_module.plan_share = asking_plan_share  # type: ignore[assignment]
     sys.argv = ["ckptctl", *sys.argv[1:]]
     from ckptctl.cli import main
 

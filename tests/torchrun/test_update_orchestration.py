@@ -49,6 +49,22 @@ def test_one_tp2_server_gets_one_request_with_both_handles() -> None:
     assert posts[0]["weight_version"] == "step-7"
 
 
+@pytest.mark.parametrize("mode", ["direct", "engine"])
+def test_an_early_plan_that_finishes_late_is_still_the_one_registered(mode: str) -> None:
+    """The split is planned (and, direct, the share read) from the command's start, in a thread;
+    when the job gets to it first, it waits for that thread instead of taking what is not there
+    yet (it took no reader, and the register stage failed on a busy machine)."""
+    with FakeServer(Behaviour()) as s:
+        r = update_on_cpu(
+            "--inference-parallel-size", "2", "--endpoint", s.endpoint, "--register-mode", mode,
+            "--json",
+            env={**os.environ, "CPU_PS_PLAN_LATE": "1"},
+        )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["ok"] and summary["tensor_count"] > 0
+
+
 def test_two_tp1_servers_each_get_their_own_rank() -> None:
     with FakeServer(Behaviour(profile="vllm")) as a, FakeServer(Behaviour(profile="vllm")) as b:
         r = update_on_cpu(
