@@ -19,7 +19,7 @@ from typing import Any
 
 INSTALL_HINT = "pip install 'ckptctl[metrics]'"
 # How a push ended (a rollback counts as a push; the restore after a failed one does not).
-OUTCOMES = ("ok", "failed", "restored", "refused", "cancelled")
+OUTCOMES = ("ok", "rolled_back", "failed", "restored", "refused", "cancelled")
 STATES = ("starting", "idle", "busy", "stopping")
 
 _PUSH_S = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -180,7 +180,7 @@ class ServeMetrics:
             if st.name == "wait_server":
                 self.server_wait.observe(st.seconds)
         size = merged.get("total_bytes")
-        if outcome == "ok":
+        if merged.get("ok"):  # a push or a rollback that the server took whole
             self._last_ok = time.monotonic()
             if isinstance(size, int):
                 self.pushed_bytes.inc(size)

@@ -136,3 +136,14 @@ def test_the_metrics_name_their_outcomes_and_units() -> None:
         "ckptctl_pinned_host_memory_bytes", "ckptctl_serve_state",
     }  # fmt: skip
     assert "python_gc" not in page and "process_" not in page  # a registry of its own
+    # A rollback the server took is a good push: counted under its own outcome, from zero,
+    # and the time since the last good push starts again from it.
+    assert 'ckptctl_pushes_total{outcome="rolled_back"} 0.0' in page
+    metrics = ServeMetrics(lambda: None)
+    metrics.pushed({"ok": True, "action": "rollback", "wall_s": 0.5}, [], None)
+    page = generate_latest(metrics.registry).decode()
+    assert 'ckptctl_pushes_total{outcome="rolled_back"} 1.0' in page
+    since = next(
+        line for line in page.splitlines() if line.startswith("ckptctl_seconds_since_last_good")
+    )
+    assert not math.isnan(float(since.split()[-1]))
