@@ -99,7 +99,7 @@ def rank_events(
         if st.background:
             # The work began with its reader (`background_started`) or, where that is not
             # known, as late as it can have: back to back, ending with the stage.
-            at = getattr(st, "background_started", None)
+            at = st.background_started
             if at is None:
                 at = end - sum(st.background.values())
             for what, secs in st.background.items():

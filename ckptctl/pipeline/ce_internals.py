@@ -128,11 +128,6 @@ def wrap_bucket_copy(ps: Any, wrap: Callable[[Callable[..., None]], Callable[...
     ps._copy_to_buffer = wrap(original)
 
 
-def registered_buffer(ps: Any, name: str, index: int) -> Any:
-    """The host tensor of checkpoint `name`'s buffer `index`, as its bucket copy reads it."""
-    return _require(ps, "_get_memory_pool")(name)[index].buffer
-
-
 def add_checkpoint(ps: Any, name: str, buffers: list[Any]) -> None:
     """Put `buffers` (MemoryBuffers) where register_checkpoint would have put them."""
     _require(ps, "_memory_pool", "_register_parameters_to_p2p_store", "_p2p_store")

@@ -49,7 +49,6 @@ class Gate:
     (`arm`); installed on the session's ParameterServer once, for the job."""
 
     def __init__(self, session: ParameterServerSession) -> None:
-        self._session = session
         self._ps = session.ps
         self._reading: dict[str, OverlappedRead] = {}
         self._original: Callable[..., None] = _no_copy
@@ -79,7 +78,7 @@ class Gate:
         for r in bucket.ranges:
             if offset + r.size > bucket.size:  # (checkpoint-engine's own assertion)
                 raise AssertionError(f"offset {offset} + size {r.size} > bucket_size {bucket.size}")
-            source = ce_internals.registered_buffer(self._ps, checkpoint_name, r.idx)
+            source = read.buffers[r.idx].buffer  # (the ones registered: `register`)
             for lo in range(0, r.size, CHUNK):
                 n = min(CHUNK, r.size - lo)
                 if not read.wait_filled(r.idx, r.offset + lo + n):
@@ -113,6 +112,7 @@ class OverlappedRead:
         self.on_failure = on_failure  # the push's guard: fails it on every rank
         self.name = ""
         self.reader: ShareReader | None = None
+        self.buffers: list[Any] = []  # the MemoryBuffers registered as `name`
 
     def register(self, name: str, reader: ShareReader) -> bool:
         """Register the reader's buffers as checkpoint `name` now, while it fills them, and
@@ -122,7 +122,8 @@ class OverlappedRead:
             return False
         # (No nbytes: the stage ends as the read begins; the update's figure carries the read.)
         with self.job.reporter.stage("register", "loading the shares") as st:
-            self.session.register_buffers(name, reader.early_buffers())
+            self.buffers = reader.early_buffers()
+            self.session.register_buffers(name, self.buffers)
             self.name, self.reader = name, reader
             self.gate.arm(self)
             st.detail = (

@@ -196,9 +196,7 @@ def start_parameter_server(
             io_timeout=job.watchdog.remaining,
             on_failure=job.watchdog.fail,
             group_timeout_s=group_timeout_s(
-                longest_wait_s
-                if longest_wait_s is not None
-                else getattr(job.watchdog, "timeout_s", None)
+                longest_wait_s if longest_wait_s is not None else job.watchdog.timeout_s
             ),
             group_store=(
                 job.coordinator.second_connection() if job.coordinator is not None else None

@@ -130,7 +130,6 @@ class ShareReader:
         self.started_at = time.perf_counter()  # (--trace places the read from here)
         self.read_seconds: float | None = None
         self.pin_seconds: float | None = None
-        self._error: BaseException | None = None
         self._driver: cuda.DriverPin | None = None  # when the buckets were pinned through it
         self._driver_pinned: list[int] = []
         self._gpu_rank = int(os.environ.get("RANK", "0"))  # (checkpoint-engine's GPU rule)
@@ -145,8 +144,7 @@ class ShareReader:
         try:
             self._read_and_pin(checkpoint)
         except BaseException as exc:  # noqa: BLE001 - raised by result(), on the caller's thread
-            self._error = exc
-            self.progress.fail(exc)  # (a transfer waiting on the bytes hears of it)
+            self.progress.fail(exc)  # kept there; a transfer waiting on the bytes hears of it
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether reading, pinning and the metas are done (within `timeout` seconds)."""
@@ -253,9 +251,10 @@ class ShareReader:
     def result(self) -> list[Any]:
         """checkpoint-engine MemoryBuffers (pinned in place when the reader was told to pin)."""
         self._thread.join()
-        if self._error is not None:  # what reading or pinning raised (InvalidInput...)
+        error = self.progress.error  # what reading or pinning raised (InvalidInput...)
+        if error is not None:
             self._abandon()
-            raise self._error
+            raise error
         return self._memory_buffers(self._make_metas())
 
     @property

@@ -240,7 +240,7 @@ def gpu_executor(
                 checkpoint,
                 share,
                 mode,
-                pool if mode is RegisterMode.direct else None,
+                pool,
                 plan=plan,
                 read_threads=req.read_threads,
                 reporter=job.reporter,
