@@ -6,11 +6,18 @@ chrome://tracing), one process per rank (pid = rank) and one track per thread:
 - background: the share's read and pin, done in a thread that starts before its stage
   ("register" then only waits for it);
 - buckets: each bucket of the transfer, from the moment its metas went to the server's
-  worker to the worker's reply that it loaded it (parameter_server.ReplyWatchingSocket).
+  worker to the worker's reply that it loaded it (parameter_server.ReplyWatchingSocket);
+- host-to-device copies: each bucket's copy out of host memory, and how long it waited for a
+  read still filling it (a serve push whose read overlaps the transfer: pipeline/overlap.py);
+- exchange with the server's worker: the rest of checkpoint-engine's exchange with it -
+  connecting and taking the IPC handle, releasing it, the post-hook - and the ParameterServer's
+  own release of its transfer buffers in between;
+- request to the server: the HTTP request that makes the server take the weights;
+- host buffers read: when each host buffer was full, from the read's start.
 
 There is no second timing system: a stage's events come from its StageFigures (its start and
-its seconds), the buckets from one hook in the socket wrapper, which records only while a
-trace is wanted. Rank 0 gathers every rank's events through the job's store and writes FILE:
+its seconds), the rest from `record` at the few places they happen, which keeps them only while
+a trace is wanted. Rank 0 gathers every rank's events through the job's store and writes FILE:
 for update and join once the job succeeded (a failing job's ranks may be gone), for a push
 whatever its outcome (its result comes back from every rank anyway).
 
@@ -23,49 +30,79 @@ starts with {"traceEvents"); any other file, a symlink or a directory there is r
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import stat
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptctl.errors import UsageError
 
-STAGES, BACKGROUND, BUCKETS = 1, 2, 3  # the tracks (tid) of each rank
-TRACKS = {STAGES: "stages", BACKGROUND: "background read and pin", BUCKETS: "buckets"}
+# The tracks (tid) of each rank.
+STAGES, BACKGROUND, BUCKETS, COPIES, WORKER, REQUEST, BUFFERS = 1, 2, 3, 4, 5, 6, 7
+TRACKS = {
+    STAGES: "stages",
+    BACKGROUND: "background read and pin",
+    BUFFERS: "host buffers read",
+    BUCKETS: "buckets",
+    COPIES: "host-to-device copies",
+    WORKER: "exchange with the server's worker",
+    REQUEST: "request to the server",
+}
 MAGIC = b'{"traceEvents"'
 
+
+@dataclass
+class Span:
+    """Something that took time on one rank, on `track`, from `start` to `end` (perf_counter)."""
+
+    name: str
+    track: int
+    start: float
+    end: float
+    args: dict[str, Any] = field(default_factory=dict)
+
+
 _lock = threading.Lock()
-_buckets: list[tuple[float, float, int]] | None = None  # (sent, loaded, bytes) while recording
+_spans: list[Span] | None = None  # while recording
 _requested: str | None = None  # update/join --trace FILE (this process)
+
+
+def recording() -> bool:
+    return _spans is not None
+
+
+def record(name: str, track: int, start: float, end: float | None = None, **args: Any) -> None:
+    """Keep a span (ending now unless `end`) while a trace is wanted; from any thread."""
+    if _spans is not None and start:
+        _spans.append(Span(name, track, start, time.perf_counter() if end is None else end, args))
 
 
 def bucket(sent_at: float, nbytes: int) -> None:
     """A bucket's worker replied that it loaded it (called from the transfer's thread)."""
-    if _buckets is not None and sent_at:
-        _buckets.append((sent_at, time.perf_counter(), nbytes))
+    record("bucket", BUCKETS, sent_at, bytes=nbytes)
 
 
-def record_buckets() -> None:
-    """Keep the buckets of the transfers from now on (until `take_buckets`)."""
-    global _buckets
+def start_recording() -> None:
+    """Keep the spans of the transfers from now on (until `take_spans`)."""
+    global _spans
     with _lock:
-        _buckets = []
+        _spans = []
 
 
-def take_buckets() -> list[tuple[float, float, int]]:
-    global _buckets
+def take_spans() -> list[Span]:
+    global _spans
     with _lock:
-        taken, _buckets = _buckets or [], None
+        taken, _spans = _spans or [], None
     return taken
 
 
-def rank_events(
-    rank: int, stages: list[Any], buckets: list[tuple[float, float, int]]
-) -> list[dict[str, Any]]:
-    """This rank's trace events: its StageFigures and buckets, in microseconds since the epoch
+def rank_events(rank: int, stages: list[Any], spans: list[Span]) -> list[dict[str, Any]]:
+    """This rank's trace events: its StageFigures and spans, in microseconds since the epoch
     (each rank converts its own monotonic clock, so that the ranks line up)."""
     offset = time.time() - time.perf_counter()
 
@@ -105,8 +142,10 @@ def rank_events(
             for what, secs in st.background.items():
                 events.append(span(what, BACKGROUND, at, at + secs, bytes=st.bytes))
                 at += secs
-    for i, (sent, loaded, nbytes) in enumerate(buckets):
-        events.append(span(f"bucket {i}", BUCKETS, sent, loaded, bytes=nbytes))
+    buckets = itertools.count()
+    for sp in spans:
+        name = f"bucket {next(buckets)}" if sp.track == BUCKETS else sp.name
+        events.append(span(name, sp.track, sp.start, sp.end, **sp.args))
     return events
 
 
@@ -181,19 +220,19 @@ def write(path: str, events: list[dict[str, Any]], what: str = "--trace") -> int
 
 def request(path: str | os.PathLike[str] | None, *, primary: bool) -> None:
     """`--trace FILE` for this process's job: checked now on the rank that writes it (rank 0);
-    every rank records its buckets from now on."""
+    every rank records its spans from now on."""
     global _requested
     if path is None:
         return
     _requested = check_path(path) if primary else os.fspath(path)
-    record_buckets()
+    start_recording()
 
 
 def finish(job: Any) -> None:
     """After a job's body succeeded: every rank's events to rank 0, which writes the file."""
     if _requested is None:
         return
-    mine = rank_events(job.launch.rank, job.reporter.figures.stages, take_buckets())
+    mine = rank_events(job.launch.rank, job.reporter.figures.stages, take_spans())
     if job.coordinator is None:
         ranks = [mine]
     else:

@@ -24,10 +24,12 @@ p2p, where others may read the buffers); a first push and `update` (whose read a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import CkptctlError, ExitCode, OperationFailed
+from ckptctl.observe import timeline
 from ckptctl.pipeline import ce_internals
 
 if TYPE_CHECKING:
@@ -70,19 +72,25 @@ class Gate:
     def _copy(
         self, checkpoint_name: str, bucket: Any, buffer: Any, owner_rank: int | None = None
     ) -> None:
+        started = time.perf_counter()
         read = self._reading.get(checkpoint_name)
         if read is None or owner_rank is not None or read.all_read():
             self._original(checkpoint_name, bucket, buffer, owner_rank)
+            timeline.record("copy", timeline.COPIES, started, bytes=bucket.size)
             return
-        offset = 0
+        assert read.reader is not None  # (armed once registered: `register`)
+        progress, offset, waited = read.reader.progress, 0, 0.0
         for r in bucket.ranges:
             if offset + r.size > bucket.size:  # (checkpoint-engine's own assertion)
                 raise AssertionError(f"offset {offset} + size {r.size} > bucket_size {bucket.size}")
             source = read.buffers[r.idx].buffer  # (the ones registered: `register`)
             for lo in range(0, r.size, CHUNK):
                 n = min(CHUNK, r.size - lo)
-                if not read.wait_filled(r.idx, r.offset + lo + n):
-                    return  # the push failed: nothing more is copied, nor announced
+                if progress.filled(r.idx) < r.offset + lo + n:  # (not read yet)
+                    t = time.perf_counter()
+                    if not read.wait_filled(r.idx, r.offset + lo + n):
+                        return  # the push failed: nothing more is copied, nor announced
+                    waited += time.perf_counter() - t
                 buffer[offset + lo : offset + lo + n].data.copy_(
                     source[r.offset + lo : r.offset + lo + n], non_blocking=True
                 )
@@ -90,6 +98,8 @@ class Gate:
         if offset != bucket.size:
             raise AssertionError(f"offset {offset} != bucket_size {bucket.size}")
         self._ps.device_manager.device_module.synchronize()
+        # (--trace) `waited_s`: how long the copies waited for the read to fill their bytes
+        timeline.record("copy", timeline.COPIES, started, bytes=bucket.size, waited_s=waited)
 
 
 def _no_copy(*args: Any) -> None:

@@ -18,6 +18,7 @@ import httpx
 
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
 from ckptctl.inference_server import ServerAddress
+from ckptctl.observe import timeline
 from ckptctl.pipeline.coordination import PAST_DEADLINE_S, StoppedByPeer, abort_error
 from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.pipeline.job import Job
@@ -470,10 +471,12 @@ class ServerRequest:
         # terms, and in `serve` only this push, before the watchdog would end the whole job.
         remaining = self.watchdog.remaining()
         left = max(remaining - min(PAST_DEADLINE_S, remaining / 4), 0.1)
+        sent_at = time.perf_counter()
         try:
             message = push_update(
                 address, self.engine, handles, weight_version=self.weight_version, timeout=left
             )
+            timeline.record(f"POST to {address.describe()}", timeline.REQUEST, sent_at)
         except UpdateRefused as exc:
             self.fail(ExitCode.FAILED, f"{address.describe()} refused the update: {exc}")
             return

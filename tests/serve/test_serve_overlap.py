@@ -30,6 +30,7 @@ from test_serve_faults import push
 pytestmark = pytest.mark.slow
 
 SHARDS = 4
+BUCKETS, COPIES, BUFFERS = 3, 4, 7  # tracks of a trace (ckptctl.observe.timeline)
 
 
 def make_checkpoint(root: Path, seed: int) -> Path:
@@ -149,7 +150,8 @@ def test_buckets_go_while_later_ones_are_read_and_every_byte_arrives(
         # The pool is pinned now: this push hands its buffers over while they are read. Its
         # last shard is read only once the server has loaded a bucket of it.
         job.hold(b, shards_of(b)[-1])
-        code, doc, err = push(job.sock, path=b)
+        trace = tmp_path / "push.json"
+        code, doc, err = push(job.sock, "--trace", str(trace), path=b)
         assert code == 0, err
         assert job.holds() and all(h["released"] for h in job.holds()), (
             "the last shard was read before any bucket reached the server: the push did "
@@ -157,6 +159,15 @@ def test_buckets_go_while_later_ones_are_read_and_every_byte_arrives(
         )
         assert job.workers.digests == file_digests(b)  # every tensor, bit for bit
         assert job.loaded_now() == set(file_digests(b))
+        # Its timeline: a copy out of host memory per bucket, and when each buffer was read.
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+        for rank in (0, 1):
+            copies = [e for e in events if e.get("pid") == rank and e.get("tid") == COPIES]
+            buckets = [e for e in events if e.get("pid") == rank and e.get("tid") == BUCKETS]
+            assert 0 < len(copies) <= len(buckets), (copies, buckets)  # (its own buckets)
+            assert sum(e["args"]["bytes"] for e in copies) > 0
+            filled = [e for e in events if e.get("pid") == rank and e.get("tid") == BUFFERS]
+            assert filled, "no host buffer's read in the trace"
 
 
 def test_a_read_failing_mid_push_fails_it_cleanly_and_the_next_push_is_whole(

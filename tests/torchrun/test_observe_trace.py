@@ -5,6 +5,7 @@ only checkpoint-engine's ParameterServer stood in (tests/cpu_ps_rank.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -18,7 +19,14 @@ from locations import CPU_PS_RANK as SCRIPT
 from locations import TINY
 
 ZMQ = {"CPU_PS_TRANSFER": "zmq", "CPU_PS_BUCKETS": "3", "OMP_NUM_THREADS": "1"}
-STAGES, BACKGROUND, BUCKETS = 1, 2, 3  # the tracks of each rank (ckptctl.observe.timeline)
+# The tracks of each rank (ckptctl.observe.timeline).
+STAGES, BACKGROUND, BUCKETS, COPIES, WORKER, REQUEST, BUFFERS = 1, 2, 3, 4, 5, 6, 7
+EXCHANGES = [  # a transfer's exchange with the server's worker, in order
+    "worker connects, takes the IPC handle",
+    "worker releases the IPC buffer",
+    "ParameterServer frees its transfer buffers",
+    "worker runs its post-hook",
+]
 
 
 def _spans(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -104,6 +112,17 @@ def test_push_trace_is_written_by_the_serve_job(short_tmp: Path) -> None:
             for stage in ("split", "register", "wait_server", "gather_metas", "update"):
                 assert stage in stages, (rank, stages)
             assert len(_on(doc, rank, BUCKETS)) == 3
+            # The rest of the exchange with the worker, in order, around the buckets.
+            worker = _on(doc, rank, WORKER)
+            assert [e["name"] for e in worker] == EXCHANGES, worker
+            buckets = _on(doc, rank, BUCKETS)
+            assert worker[0]["ts"] + worker[0]["dur"] <= buckets[0]["ts"]
+            assert buckets[-1]["ts"] + buckets[-1]["dur"] <= worker[1]["ts"]
+            for a, b in itertools.pairwise(worker):
+                assert a["ts"] + a["dur"] <= b["ts"] + 1, (a, b)  # (rounded to the µs)
+        # Only the group's leader asks the server.
+        (post,) = _on(doc, 0, REQUEST)
+        assert post["name"].startswith("POST to ") and _on(doc, 1, REQUEST) == []
         # A second push: the trace of the first is replaced (a trace), a file that is not
         # a trace is refused before anything is pushed.
         other = short_tmp / "notes.txt"

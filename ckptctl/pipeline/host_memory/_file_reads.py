@@ -19,6 +19,7 @@ from typing import Any
 
 from ckptctl.checkpoint.headers import Checkpoint, TensorInfo, open_planned
 from ckptctl.errors import CkptctlError, InvalidInput
+from ckptctl.observe import timeline
 
 ALIGN = 256  # checkpoint-engine's _ALIGN_SIZE
 MIN_BUCKET = 4 << 30  # checkpoint-engine's pinned buckets: max(4 GiB, largest tensor)
@@ -148,6 +149,7 @@ class ReadProgress:
         self._on_read = on_read
         self._sizes = [b.size for b in buckets]
         self._begun = False
+        self._begun_at = 0.0
         self._starts: list[list[int]] = []  # per bucket: where each of its runs starts
         self._read: list[list[bool]] = []
         self._next: list[int] = []  # per bucket: its first run not read yet
@@ -167,6 +169,7 @@ class ReadProgress:
             self._read = [[False] * len(s) for s in starts]
             self._next = [0] * len(starts)
             self._begun = True
+            self._begun_at = time.perf_counter()
             self._cond.notify_all()
 
     def add(self, run: ReadRun) -> None:
@@ -184,6 +187,9 @@ class ReadProgress:
                     n += 1
                 self._next[b] = n
                 self._cond.notify_all()
+                if n == len(read):  # (--trace) this buffer is full
+                    timeline.record(f"buffer {b}", timeline.BUFFERS, self._begun_at,
+                                    bytes=self._sizes[b])  # fmt: skip
         if self._on_read is not None:
             self._on_read(run.nbytes)
 

@@ -36,6 +36,7 @@ class ReplyWatchingSocket:
         self.on_bucket = on_bucket  # called with a bucket's bytes once the worker loaded it
         self._bucket_in_flight = self._nones_sent = self._replies = 0
         self._bucket_sent_at = 0.0  # (--trace)
+        self._created_at = self._none_sent_at = self._reply_at = time.perf_counter()
         self.buckets_sent = 0  # buckets the worker was told of (none: its weights are untouched)
         self.handle: Any = None  # the first message: the CUDA IPC handle of the PS's buffer
         # The reply to the second of the None, None that end a transfer: all loaded.
@@ -62,6 +63,10 @@ class ReplyWatchingSocket:
 
         if obj is None:
             self._nones_sent += 1
+            if self._nones_sent == 2:  # (--trace) between the two: the PS freed its buffers
+                timeline.record("ParameterServer frees its transfer buffers", timeline.WORKER,
+                                self._reply_at)  # fmt: skip
+            self._none_sent_at = time.perf_counter()
         elif self.handle is None:
             self.handle = obj
         elif isinstance(obj, list):  # a bucket's metas: [{name, dtype, shape, offset}, ...]
@@ -78,6 +83,9 @@ class ReplyWatchingSocket:
                     self._socket.send_pyobj(obj, zmq.NOBLOCK)
             return None  # dropped
         sent = self._socket.send_pyobj(obj, *args, **kwargs)
+        if not self.handle_sent.is_set():  # (--trace) the send waits for a worker to connect
+            timeline.record("worker connects, takes the IPC handle", timeline.WORKER,
+                            self._created_at)  # fmt: skip
         self.handle_sent.set()
         self.buckets_sent += isinstance(obj, list)
         return sent
@@ -90,6 +98,10 @@ class ReplyWatchingSocket:
             return self._cancel_reply()
         reply = self._socket.recv(*args, **kwargs)
         self._replies += 1
+        self._reply_at = time.perf_counter()
+        if self._nones_sent and timeline.recording():
+            what = "releases the IPC buffer" if self._nones_sent == 1 else "runs its post-hook"
+            timeline.record(f"worker {what}", timeline.WORKER, self._none_sent_at, self._reply_at)
         if self._bucket_in_flight and reply == b"":
             timeline.bucket(self._bucket_sent_at, self._bucket_in_flight)
             if self.on_bucket is not None:

@@ -560,7 +560,7 @@ class ServeLoop:
                 ExitCode.FAILED, f"stopped ({stop_reason})", request=True
             )
         if command.get("trace"):
-            timeline.record_buckets()
+            timeline.start_recording()
         started = time.perf_counter()
         try:
             result = {"ok": True, "exit_code": 0, "error": None, **self.execute(push_job, command)}
@@ -579,7 +579,7 @@ class ServeLoop:
         result["wall_s"] = result["seconds"] = round(time.perf_counter() - started, 4)
         if command.get("trace"):  # (taken out again by _run, once every rank's is in)
             result["trace_events"] = timeline.rank_events(
-                job.launch.rank, job.reporter.figures.stages, timeline.take_buckets()
+                job.launch.rank, job.reporter.figures.stages, timeline.take_spans()
             )
         return result
 
