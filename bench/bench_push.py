@@ -182,37 +182,53 @@ def main() -> None:
     limits["h2d_s"] = round(total / 1e9 / limits["h2d_pinned_gb_s"], 3)
     limits["read_s"] = round(total / 1e9 / limits["warm_read_gb_s_16_threads"], 3)
     print(f"limits: {limits}", flush=True)
-    receiver, endpoint = start_receiver(ckpts[0], 1)
-    runs, seed = [], None
-    try:
-        if args.seed_script:
+    runs: list[dict[str, Any]] = []
+    seed = None
+
+    def save() -> None:  # after each part: a run cut short keeps what it measured
+        write_results(args.out, f"push-{args.model}-tp1", document(), None)
+
+    def document() -> dict[str, Any]:
+        return {
+            "model": args.model,
+            "tp": 1,
+            "total_bytes": total,
+            "tensors": n_tensors,
+            "workdir": str(work),
+            "checkpoint_write_s": round(write_s, 1),
+            "limits": limits,
+            "seed_script": seed,
+            "runs": runs,
+            "bench_command": f"python bench/bench_push.py --model {args.model} "
+            f"--bucket-sizes {args.bucket_sizes} --pushes {args.pushes}"
+            + (" --seed-script SEED" if args.seed_script else "")
+            + f" --workdir {args.workdir}",
+        }
+
+    if args.seed_script:
+        # A receiver of its own: the seed waits for /ping, which SGLang 0.5.22 answers.
+        receiver, endpoint = start_receiver(ckpts[0], 1, "sglang-0.5.22")
+        try:
             set_receiver(endpoint, verify_against=str(ckpts[0]))
             seed = run_seed(ckpts[0], 1, endpoint, args.seed_script)
             seed["bit_exact"] = all_received(report(endpoint), n_tensors)
-            print(f"seed script: {seed}", flush=True)
+        finally:
+            receiver.terminate()
+            receiver.wait(timeout=60)
+        print(f"seed script: {seed}", flush=True)
+        save()
+    receiver, endpoint = start_receiver(ckpts[0], 1)
+    try:
         for gb in [float(x) for x in args.bucket_sizes.split(",")]:
             runs.append(serve_pushes(ckpts, endpoint, gb, args.pushes, work, n_tensors))
+            save()
     finally:
         receiver.terminate()
         receiver.wait(timeout=60)
         if not args.keep:
             for ckpt in ckpts:
                 shutil.rmtree(ckpt, ignore_errors=True)
-    doc = {
-        "model": args.model,
-        "tp": 1,
-        "total_bytes": total,
-        "tensors": n_tensors,
-        "workdir": str(work),
-        "checkpoint_write_s": round(write_s, 1),
-        "limits": limits,
-        "seed_script": seed,
-        "runs": runs,
-        "bench_command": f"python bench/bench_push.py --model {args.model} "
-        f"--bucket-sizes {args.bucket_sizes} --pushes {args.pushes}"
-        + (" --seed-script SEED" if args.seed_script else "")
-        + f" --workdir {args.workdir}",
-    }
+    doc = document()
     write_results(args.out, f"push-{args.model}-tp1", doc, markdown(doc))
 
 

@@ -6,20 +6,22 @@
 #     . tests/support/gpu_kit.sh || exit 1; bash bench/push_session.sh OUT [8B_SIZES] [DSV3_SIZES]
 set -u
 out=$1
-sizes_8b=${2:-8,2,1,0.5}
+sizes_8b=${2:-8,2,1}
 sizes_dsv3=${3:-8,1}
 work=/dev/shm/ckptctl-bench-push
 mkdir -p "$out/traces" "$work"
 seed=()
 if [ -f .seed/update.py ]; then seed=(--seed-script .seed/update.py); fi
 echo "== qwen3-8b $(date -u +%H:%M:%S)"
-timeout 360 python3 bench/bench_push.py --model qwen3-8b --bucket-sizes "$sizes_8b" --pushes 5 \
-    "${seed[@]}" --workdir "$work" --out "$out" 2>&1 | grep -vE "^\s*$" | tail -40
+timeout 300 python3 bench/bench_push.py --model qwen3-8b --bucket-sizes "$sizes_8b" --pushes 4 \
+    "${seed[@]}" --workdir "$work" --out "$out" > "$out/qwen3-8b.log" 2>&1
+tail -5 "$out/qwen3-8b.log"
 mkdir -p "$out/traces/qwen3-8b" && cp "$work"/*.json "$work"/*.log "$out/traces/qwen3-8b/" 2>/dev/null
 rm -rf "$work"/*
 echo "== deepseek-v3-small $(date -u +%H:%M:%S)"
-timeout 200 python3 bench/bench_push.py --model deepseek-v3-small --bucket-sizes "$sizes_dsv3" \
-    --pushes 3 "${seed[@]}" --workdir "$work" --out "$out" 2>&1 | grep -vE "^\s*$" | tail -30
+timeout 170 python3 bench/bench_push.py --model deepseek-v3-small --bucket-sizes "$sizes_dsv3" \
+    --pushes 3 "${seed[@]}" --workdir "$work" --out "$out" > "$out/dsv3.log" 2>&1
+tail -5 "$out/dsv3.log"
 mkdir -p "$out/traces/dsv3" && cp "$work"/*.json "$work"/*.log "$out/traces/dsv3/" 2>/dev/null
 rm -rf "$work"
 echo "== done $(date -u +%H:%M:%S)"
