@@ -23,6 +23,7 @@ from operator import attrgetter, lt
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
+from ckptctl.checkpoint.remembered import HeaderCache, LastResult
 from ckptctl.errors import InvalidInput, OperationFailed
 from ckptctl.regular_files import FileIdentity, UnfitFile, open_regular, read_regular
 
@@ -117,6 +118,8 @@ class Checkpoint:
 
 
 _NAME, _START, _END = attrgetter("name"), attrgetter("start"), attrgetter("end")
+HEADERS = HeaderCache()  # headers already parsed and validated (remembered.py)
+_LAST_INDEX: LastResult[dict[str, str]] = LastResult()
 
 
 def _fail(where: Path | str, problem: str, action: str) -> InvalidInput:
@@ -239,16 +242,26 @@ def read_file_header(root: Path, file: str) -> tuple[list[TensorInfo], FileIdent
             os.close(fd)
     if len(raw) != header_len:
         raise _fail(path, "changed size while being read", "retry when nothing is writing it")
+    data_start = 8 + header_len
+    data_len = size - data_start
+    known = HEADERS.get(file, data_len, raw)  # (a serve job's next push: the same header)
+    if known is not None:
+        return list(known), FileIdentity.of(st)
+    tensors = _parse_header(path, file, raw, data_start, data_len)
+    HEADERS.put(file, data_len, raw, tuple(tensors))
+    return tensors, FileIdentity.of(st)
 
+
+def _parse_header(
+    path: Path, file: str, raw: bytes, data_start: int, data_len: int
+) -> list[TensorInfo]:
+    """The tensors of a header (`raw`), validated; sorted by offset."""
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _fail(path, f"header is not valid JSON ({exc})", CORRUPT) from None
     if not isinstance(header, dict):
         raise _fail(path, "header is not a JSON object", CORRUPT)
-
-    data_start = 8 + header_len
-    data_len = size - data_start
     tensors: list[TensorInfo] = []
     for name, entry in header.items():
         if name == "__metadata__":
@@ -266,7 +279,7 @@ def read_file_header(root: Path, file: str) -> tuple[list[TensorInfo], FileIdent
     tensors.sort(key=attrgetter("start", "end", "name"))
     starts, ends = list(map(_START, tensors)), list(map(_END, tensors))
     if not any(map(lt, starts[1:], ends[:-1])):
-        return tensors, FileIdentity.of(st)  # each starts where the one before ended or later
+        return tensors  # each starts where the one before ended or later
     previous: TensorInfo | None = None
     for t in tensors:  # something starts early: an overlap, or just an empty tensor inside one
         if t.start == t.end:
@@ -279,7 +292,7 @@ def read_file_header(root: Path, file: str) -> tuple[list[TensorInfo], FileIdent
                 CORRUPT,
             )
         previous = t
-    return tensors, FileIdentity.of(st)
+    return tensors
 
 
 def _list_dir(root: Path) -> list[str]:
@@ -309,9 +322,16 @@ def _read_index(root: Path, index_name: str) -> dict[str, str]:
     action = "regenerate the index, or delete it to load every .safetensors file in the directory"
     try:
         # Capped and regular only: an index that is a FIFO, /dev/zero or gigabytes is refused.
-        doc = json.loads(read_regular(index, MAX_INDEX_BYTES, "an index").decode("utf-8"))
+        raw = read_regular(index, MAX_INDEX_BYTES, "an index")
     except UnfitFile as exc:
         raise _fail(index, exc.problem, action) from None
+    # (A serve job's next push: the same index, byte for byte; the map is never changed.)
+    return _LAST_INDEX.get(raw, lambda: _parse_index(index, raw, action))
+
+
+def _parse_index(index: Path, raw: bytes, action: str) -> dict[str, str]:
+    try:
+        doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _fail(index, f"is not valid JSON ({exc})", action) from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None

@@ -26,6 +26,9 @@ def layout_change(served: Iterable[TensorInfo], new: Iterable[TensorInfo]) -> st
 
     Tensors of `new` come first in its own order (another dtype or shape, or not served),
     then the served tensors it lacks."""
+    served, new = tuple(served), tuple(new)
+    if served == new:  # the same tensors (a pass of pointer checks: checkpoint/remembered.py)
+        return None
     before = {t.name: (t.dtype, t.shape) for t in served}
     after = {t.name: (t.dtype, t.shape) for t in new}
     if before == after:  # the common case, compared in C

@@ -23,6 +23,7 @@ from itertools import accumulate
 from typing import Literal
 
 from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
+from ckptctl.checkpoint.remembered import LastResult
 
 SplitMode = Literal["auto", "files", "tensors"]
 SPLIT_MODES: tuple[str, ...] = ("auto", "files", "tensors")
@@ -267,19 +268,29 @@ def plan_split(checkpoint: Checkpoint, world_size: int, mode: SplitMode = "auto"
         raise ValueError(f"world_size must be at least 1, not {world_size}")
     if mode not in SPLIT_MODES:
         raise ValueError(f"split mode must be one of {SPLIT_MODES}, not {mode!r}")
-    candidates: dict[str, tuple[RankPlan, ...]] = {}
-    if mode in ("auto", "files"):
-        candidates["files"] = _split_files(checkpoint, world_size)
-    if mode in ("auto", "tensors"):
-        candidates["tensors"] = _split_tensors(checkpoint, world_size)
-    largest = {name: max(r.bytes for r in ranks) for name, ranks in candidates.items()}
-    # Ties go to files: whole files are fewer, larger reads.
-    chosen = min(largest, key=lambda name: (largest[name], name != "files"))
+
+    def split() -> tuple[str, tuple[RankPlan, ...], dict[str, int]]:
+        candidates: dict[str, tuple[RankPlan, ...]] = {}
+        if mode in ("auto", "files"):
+            candidates["files"] = _split_files(checkpoint, world_size)
+        if mode in ("auto", "tensors"):
+            candidates["tensors"] = _split_tensors(checkpoint, world_size)
+        largest = {name: max(r.bytes for r in ranks) for name, ranks in candidates.items()}
+        # Ties go to files: whole files are fewer, larger reads.
+        chosen = min(largest, key=lambda name: (largest[name], name != "files"))
+        return chosen, candidates[chosen], largest
+
+    # The split depends on the tensors and files alone, not on the directory (remembered.py).
+    key = (checkpoint.tensors, checkpoint.files, checkpoint.file_bytes, world_size, mode)
+    chosen, ranks, largest = _LAST_SPLIT.get(key, split)
     return Plan(
         checkpoint=checkpoint,
         world_size=world_size,
         split=chosen,  # type: ignore[arg-type]
         requested=mode,
-        ranks=candidates[chosen],
-        candidates=largest,
+        ranks=ranks,
+        candidates=dict(largest),
     )
+
+
+_LAST_SPLIT: LastResult[tuple[str, tuple[RankPlan, ...], dict[str, int]]] = LastResult()

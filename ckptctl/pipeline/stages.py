@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from ckptctl.checkpoint.remembered import LastResult
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
 from ckptctl.inference_server import ServerAddress
 from ckptctl.observe import timeline
@@ -135,8 +136,17 @@ def plan_fingerprint(plan: Plan) -> str:
     """A digest of everything the plan depends on: the files, their headers, the split.
 
     Column by column (names, files, dtypes, shapes, offsets of each rank's tensors), so that
-    the per-tensor work runs in C rather than in a JSON document's encoder.
+    the per-tensor work runs in C rather than in a JSON document's encoder. The same for the
+    same split (a serve job's next push: checkpoint/remembered.py).
     """
+    key = (plan.split, plan.world_size, plan.ranks)
+    return _LAST_FINGERPRINT.get(key, lambda: _fingerprint(plan))
+
+
+_LAST_FINGERPRINT: LastResult[str] = LastResult()
+
+
+def _fingerprint(plan: Plan) -> str:
     import hashlib
     from array import array
     from itertools import chain

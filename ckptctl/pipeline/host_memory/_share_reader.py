@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
+from ckptctl.checkpoint.remembered import LastResult
 from ckptctl.errors import OperationFailed
 from ckptctl.pipeline.host_memory import _cuda_pinning as cuda
 from ckptctl.pipeline.host_memory import _file_reads as reads
@@ -77,10 +78,20 @@ def gc_paused() -> Iterator[None]:
 
 def planned_buffers(plan: Any) -> dict[int, list[tuple[int, list[Any]]]]:
     """Every rank's host buffers as its ShareReader lays them out - (size, metas) per bucket -
-    from the plan that every rank shares (ParameterServerSession.gather_planned)."""
-    make, ranks = MetaMaker(), [r for r in plan.ranks if r.tensors]
-    with gc_paused():
-        return {r.rank: [(b.size, make(b)) for b in reads.layout(r.tensors)] for r in ranks}
+    from the plan that every rank shares (ParameterServerSession.gather_planned). The same for
+    the same tensors (a serve job's next push: checkpoint/remembered.py); never changed."""
+    ranks = [r for r in plan.ranks if r.tensors]
+
+    def make_all() -> dict[int, list[tuple[int, list[Any]]]]:
+        make = MetaMaker()
+        with gc_paused():
+            return {r.rank: [(b.size, make(b)) for b in reads.layout(r.tensors)] for r in ranks}
+
+    return _LAST_PLANNED.get(tuple((r.rank, r.tensors) for r in ranks), make_all)
+
+
+_LAST_PLANNED: LastResult[dict[int, list[tuple[int, list[Any]]]]] = LastResult()
+_LAST_LAYOUT: LastResult[list[reads.HostBucket]] = LastResult()
 
 
 class ShareReader:
@@ -105,7 +116,8 @@ class ShareReader:
         """pin: once read (needs CUDA). plan, rank: the job's plan and this rank's place in it;
         then every rank's metas are worked out too (`gather_planned`). on_read(n): with every
         read's bytes (ReadProgress). drop_page_cache: of what was read, once it is in."""
-        self.buckets = reads.layout(tensors)
+        # (The same buckets for the same tensors: never changed, see checkpoint/remembered.py.)
+        self.buckets = _LAST_LAYOUT.get(tuple(tensors), lambda: reads.layout(tensors))
         self._pool, self._pin, self._drop_page_cache = pool, pin, drop_page_cache
         self.threads = reads.read_threads(threads)
         self.progress = reads.ReadProgress(self.buckets, on_read)
