@@ -2,10 +2,14 @@
 
 Rank 0 takes every push and merges every rank's result, so its figures are the job's; other
 ranks (and other nodes) serve no metrics. The registry is a private one (nothing of the
-process's default collectors), served over HTTP by prometheus_client's own server in a daemon
+process's default collectors), served over HTTP (prometheus_client's WSGI app) in a daemon
 thread: a scrape reads figures the push loop has already set, or computes a gauge from a
 number the loop keeps (time since the last good push, pinned memory), and never takes a lock
 the push holds. prometheus_client is imported only here, and only when metrics are asked for.
+
+Whatever reaches the port can open connections: at most MAX_SCRAPERS are served at once (one
+thread each; more are closed at once), and one that sends nothing for SCRAPE_TIMEOUT_S is
+closed, so a flood of idle connections costs a few threads for a few seconds, never the job.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +26,9 @@ INSTALL_HINT = "pip install 'ckptctl[metrics]'"
 # How a push ended (a rollback counts as a push; the restore after a failed one does not).
 OUTCOMES = ("ok", "rolled_back", "failed", "restored", "refused", "cancelled")
 STATES = ("starting", "idle", "busy", "stopping")
+
+MAX_SCRAPERS = 8
+SCRAPE_TIMEOUT_S = 5.0
 
 _PUSH_S = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _STAGE_S = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
@@ -133,9 +141,11 @@ class ServeMetrics:
 
     def serve(self, host: str, port: int) -> None:
         """Listen on host:port (raises OSError when it cannot)."""
-        from prometheus_client import start_http_server
-
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = bounded_server(host, port, self.registry)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="ckptctl-metrics", daemon=True
+        )
+        self._thread.start()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -197,6 +207,50 @@ class ServeMetrics:
                     "server_weights": self._server_weights,
                 }
             )
+
+
+def bounded_server(host: str, port: int, registry: Any) -> Any:
+    """A WSGI server of `registry`'s metrics on host:port that serves MAX_SCRAPERS connections
+    at once, each for at most SCRAPE_TIMEOUT_S of silence (see the module's docstring)."""
+    import socket
+    import socketserver
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+    class Handler(WSGIRequestHandler):
+        timeout = SCRAPE_TIMEOUT_S  # (socketserver applies it to each connection's reads)
+
+        def log_message(self, *args: Any) -> None:
+            pass  # a scrape is not worth a line on the job's stderr
+
+    class Server(socketserver.ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = family
+        slots = threading.BoundedSemaphore(MAX_SCRAPERS)
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not self.slots.acquire(blocking=False):
+                self.shutdown_request(request)  # full: this one is closed unanswered
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self.slots.release()
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            pass  # a client that hung up or timed out: nothing the job should print
+
+    return make_server(host, port, make_wsgi_app(registry), Server, handler_class=Handler)
 
 
 def start(host: str, port: int, pinned_bytes: Callable[[], Any]) -> ServeMetrics:

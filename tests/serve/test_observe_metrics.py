@@ -147,3 +147,54 @@ def test_the_metrics_name_their_outcomes_and_units() -> None:
         line for line in page.splitlines() if line.startswith("ckptctl_seconds_since_last_good")
     )
     assert not math.isnan(float(since.split()[-1]))
+
+
+def test_a_flood_of_idle_connections_costs_a_bounded_few_threads_and_passes() -> None:
+    """Whatever reaches the metrics port can open connections and send nothing: only
+    MAX_SCRAPERS of them get a thread (the rest are closed at once), those are closed after
+    SCRAPE_TIMEOUT_S of silence, and the port answers scrapes again once the flood is gone."""
+    import select
+    import socket
+    import threading
+
+    from ckptctl.observe import metrics
+
+    served = metrics.start("127.0.0.1", 0, lambda: 123)
+    host, port = served.address
+    before = threading.active_count()
+    flood = [
+        socket.create_connection((host, port), timeout=10) for _ in range(4 * metrics.MAX_SCRAPERS)
+    ]
+    try:
+        # The server closes every connection past the bound unanswered: wait until it has.
+        deadline = time.monotonic() + 30
+        closed: set[int] = set()
+        while len(closed) < 3 * metrics.MAX_SCRAPERS:
+            assert time.monotonic() < deadline, (
+                f"only {len(closed)} of {len(flood)} idle connections were closed: the server "
+                "keeps a thread for each"
+            )
+            readable, _, _ = select.select(
+                [s for s in flood if s.fileno() not in closed], [], [], 0.2
+            )
+            for s in readable:
+                if s.recv(1) == b"":
+                    closed.add(s.fileno())
+        assert threading.active_count() <= before + metrics.MAX_SCRAPERS
+    finally:
+        for s in flood:
+            s.close()
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the slots come free as the idle connections end
+            try:
+                page = httpx.get(f"http://{host}:{port}/metrics", timeout=5)
+                if page.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the metrics port did not answer after the flood"
+            time.sleep(0.1)
+        assert "ckptctl_pinned_host_memory_bytes 123.0" in page.text
+    finally:
+        served.close()
