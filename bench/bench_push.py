@@ -135,10 +135,7 @@ def serve_pushes(
                 }
             )
             print(f"bucket {bucket_gb} GiB push {i}: {wall:.3f}s {rows[-1]}", flush=True)
-        import httpx
-
-        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=30) as c:
-            c.post("http://serve/stop")
+        client.stop(control_socket=sock)
         job.wait(timeout=120)
     finally:
         if job.poll() is None:
