@@ -38,6 +38,7 @@ class Names:
     timeout: str = "timeout="
     endpoint: str = "endpoint=URL"
     control_socket: str = "control_socket=PATH"
+    trace: str = "trace="
 
 
 ARGUMENTS = Names()
@@ -46,6 +47,7 @@ FLAGS = Names(
     timeout="--timeout",
     endpoint="--endpoint URL",
     control_socket="--control-socket PATH",
+    trace="--trace",
 )
 
 

@@ -141,7 +141,7 @@ def push(
     if trace is not None:  # (checked here too: a bad path fails before the push runs)
         from ckptctl.observe.timeline import check_path
 
-        body["trace"] = check_path(trace, "--trace" if names.timeout.startswith("-") else "trace=")
+        body["trace"] = check_path(trace, names.trace)
     with _watching(path, on_progress):
         answer = request(path, "POST", "/push", body, timeout, flag=names.timeout)
     return raise_if_failed(answer) if check else answer

@@ -15,7 +15,7 @@ from fake_server import Behaviour, FakeServer
 from locations import TINY
 
 from ckptctl import client
-from ckptctl.errors import ExitCode, InvalidInput, OperationFailed
+from ckptctl.errors import ExitCode, InvalidInput, OperationFailed, UsageError
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +41,14 @@ def test_push_status_and_stop_from_python(short_tmp: Path) -> None:
         answer = client.push(TINY, weight_version="v3", control_socket=sock, check=False)
         assert answer["ok"] is False and answer["exit_code"] == ExitCode.FAILED
         assert "busy" in answer["error"]
+
+        # A trace file that would overwrite another file: refused before anything is sent,
+        # naming the argument as Python spells it.
+        notes = short_tmp / "notes.txt"
+        notes.write_text("mine")
+        with pytest.raises(UsageError, match=r"^trace= .*not a trace ckptctl wrote"):
+            client.push(TINY, control_socket=sock, trace=notes)
+        assert notes.read_text() == "mine"
 
         # A checkpoint that is not one: exit 3's exception; the job goes on serving.
         with pytest.raises(InvalidInput):
