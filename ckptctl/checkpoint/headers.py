@@ -424,6 +424,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     owner: dict[str, str] = {}
     file_bytes: dict[str, int] = {}
     file_ids: dict[str, FileIdentity] = {}
+    generation = HEADERS.next_generation()  # (headers the last two reads used are kept)
     for file in files:
         infos, file_ids[file] = read_file_header(root, file)
         file_bytes[file] = sum(map(_END, infos)) - sum(map(_START, infos))
@@ -432,6 +433,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         if len(owner) != known + len(infos):  # a name seen before: find it (the slow way)
             _refuse_duplicate(root, tensors, infos, file)
         tensors.extend(infos)
+    HEADERS.forget_unused(generation)
 
     # Every tensor where the index says (a dict comparison in C; then the first one that is not)
     for name, shard in () if owner == weight_map else weight_map.items():

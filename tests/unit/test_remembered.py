@@ -14,7 +14,7 @@ from ckpt_factory import write_real_checkpoint
 from ckptctl.checkpoint import plan_split, read_checkpoint
 from ckptctl.checkpoint.headers import HEADERS
 from ckptctl.checkpoint.layout import layout_change
-from ckptctl.checkpoint.remembered import HeaderCache, LastResult
+from ckptctl.checkpoint.remembered import TENSOR_BYTES, HeaderCache, LastResult
 from ckptctl.errors import InvalidInput
 
 
@@ -67,16 +67,29 @@ def test_a_known_header_over_a_cut_file_is_still_refused(tmp_path: Path) -> None
 
 
 def test_header_cache_is_bounded() -> None:
-    cache = HeaderCache(max_entries=2, max_bytes=10)
+    cost = 4 + TENSOR_BYTES  # (4 header bytes and one tensor each)
+    cache = HeaderCache(max_entries=3, max_bytes=2 * cost)
     cache.put("a", 1, b"aaaa", ("A",))
     cache.put("b", 1, b"bbbb", ("B",))
     assert cache.get("a", 1, b"aaaa") == ("A",)  # (now the most recent)
-    cache.put("c", 1, b"cccc", ("C",))  # over 10 bytes: the least recent goes
+    cache.put("c", 1, b"cccc", ("C",))  # past the bytes allowed: the least recent goes
     assert cache.get("b", 1, b"bbbb") is None
     assert cache.get("a", 1, b"aaaa") == ("A",) and cache.get("c", 1, b"cccc") == ("C",)
-    cache.put("d", 1, b"d" * 11, ("D",))  # larger than the whole cache: not kept
-    assert cache.get("d", 1, b"d" * 11) is None
+    cache.put("d", 1, b"d" * 4, ("D",) * 3)  # more than the whole cache: not kept
+    assert cache.get("d", 1, b"d" * 4) is None
     assert cache.get("a", 2, b"aaaa") is None  # another data length: another key
+
+
+def test_headers_that_change_every_time_are_not_piled_up(tmp_path: Path) -> None:
+    """A job whose headers differ on every push (a step number, other shapes) keeps the
+    headers of the last two checkpoints read, not of every one."""
+    for step in range(6):
+        read_checkpoint(write_real_checkpoint(tmp_path / f"step{step}", shards(1, rows=8 + step)))
+    assert len(HEADERS) == 2 * 3  # (3 files a checkpoint)
+    # ... and the last one's still come back as they were.
+    again = read_checkpoint(write_real_checkpoint(tmp_path / "again", shards(2, rows=13)))
+    last = read_checkpoint(tmp_path / "step5")
+    assert all(x is y for x, y in zip(again.tensors, last.tensors, strict=True))
 
 
 def test_last_result_is_made_again_only_for_another_key() -> None:

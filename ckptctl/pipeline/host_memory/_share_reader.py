@@ -87,7 +87,8 @@ def planned_buffers(plan: Any) -> dict[int, list[tuple[int, list[Any]]]]:
         with gc_paused():
             return {r.rank: [(b.size, make(b)) for b in reads.layout(r.tensors)] for r in ranks}
 
-    return _LAST_PLANNED.get(tuple((r.rank, r.tensors) for r in ranks), make_all)
+    key = (reads.MIN_BUCKET, tuple((r.rank, r.tensors) for r in ranks))
+    return _LAST_PLANNED.get(key, make_all)
 
 
 _LAST_PLANNED: LastResult[dict[int, list[tuple[int, list[Any]]]]] = LastResult()
@@ -117,7 +118,8 @@ class ShareReader:
         then every rank's metas are worked out too (`gather_planned`). on_read(n): with every
         read's bytes (ReadProgress). drop_page_cache: of what was read, once it is in."""
         # (The same buckets for the same tensors: never changed, see checkpoint/remembered.py.)
-        self.buckets = _LAST_LAYOUT.get(tuple(tensors), lambda: reads.layout(tensors))
+        key = (reads.MIN_BUCKET, tuple(tensors))
+        self.buckets = _LAST_LAYOUT.get(key, lambda: reads.layout(tensors))
         self._pool, self._pin, self._drop_page_cache = pool, pin, drop_page_cache
         self.threads = reads.read_threads(threads)
         self.progress = reads.ReadProgress(self.buckets, on_read)
