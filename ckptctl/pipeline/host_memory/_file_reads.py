@@ -188,8 +188,8 @@ class ReadProgress:
                 self._next[b] = n
                 self._cond.notify_all()
                 if n == len(read):  # (--trace) this buffer is full
-                    timeline.record(f"buffer {b}", timeline.BUFFERS, self._begun_at,
-                                    bytes=self._sizes[b])  # fmt: skip
+                    size = self._sizes[b]
+                    timeline.record(f"buffer {b}", timeline.BUFFERS, self._begun_at, bytes=size)
         if self._on_read is not None:
             self._on_read(run.nbytes)
 

@@ -64,8 +64,8 @@ class ReplyWatchingSocket:
         if obj is None:
             self._nones_sent += 1
             if self._nones_sent == 2:  # (--trace) between the two: the PS freed its buffers
-                timeline.record("ParameterServer frees its transfer buffers", timeline.WORKER,
-                                self._reply_at)  # fmt: skip
+                what = "ParameterServer frees its transfer buffers"
+                timeline.record(what, timeline.WORKER, self._reply_at)
             self._none_sent_at = time.perf_counter()
         elif self.handle is None:
             self.handle = obj
@@ -84,8 +84,8 @@ class ReplyWatchingSocket:
             return None  # dropped
         sent = self._socket.send_pyobj(obj, *args, **kwargs)
         if not self.handle_sent.is_set():  # (--trace) the send waits for a worker to connect
-            timeline.record("worker connects, takes the IPC handle", timeline.WORKER,
-                            self._created_at)  # fmt: skip
+            what = "worker connects, takes the IPC handle"
+            timeline.record(what, timeline.WORKER, self._created_at)
         self.handle_sent.set()
         self.buckets_sent += isinstance(obj, list)
         return sent
