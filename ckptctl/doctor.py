@@ -434,7 +434,8 @@ def server_addresses(
     them; a usage error (exit 2) for a URL that is none or lists that do not pair."""
     from ckptctl.defaults import DEFAULT_ENDPOINT
     from ckptctl.errors import UsageError
-    from ckptctl.inference_server import ServerAddress, check_endpoint
+    from ckptctl.inference_server import check_endpoint
+    from ckptctl.pipeline.groups import nth_server
 
     endpoints, uds = list(endpoints or []), list(uds or [])
     if not endpoints and not uds:
@@ -445,15 +446,7 @@ def server_addresses(
             "each once, or both once per server in the same order"
         )
     endpoints = [check_endpoint(e) for e in endpoints] or [DEFAULT_ENDPOINT]
-    n = max(len(endpoints), len(uds))
-    return [
-        ServerAddress(
-            endpoint=endpoints[i] if len(endpoints) > 1 else endpoints[0],
-            uds=(uds[i] if len(uds) > 1 else uds[0]) if uds else None,
-            api_key=api_key,
-        )
-        for i in range(n)
-    ]
+    return [nth_server(i, endpoints, uds, api_key) for i in range(max(len(endpoints), len(uds)))]
 
 
 @dataclass(frozen=True)

@@ -77,10 +77,18 @@ def assign_group(
     address = None
     if rank == leader:
         i = local_leaders.index(rank) if rank in local_leaders else 0
-        endpoint = endpoints[i] if len(endpoints) > 1 else endpoints[0]
-        socket = (uds[i] if len(uds) > 1 else uds[0]) if uds else None
-        address = ServerAddress(endpoint=endpoint, uds=socket, api_key=api_key)
+        address = nth_server(i, endpoints, uds, api_key)
     return GroupAssignment(rank, group, leader, members, address)
+
+
+def nth_server(
+    i: int, endpoints: Sequence[str], uds: Sequence[str], api_key: str | None
+) -> ServerAddress:
+    """The i-th server of --endpoint and --uds paired in order: a flag given once names the
+    same for every i (one --endpoint with a --uds per server, as SGLang's sockets are)."""
+    endpoint = endpoints[i] if len(endpoints) > 1 else endpoints[0]
+    socket = (uds[i] if len(uds) > 1 else uds[0]) if uds else None
+    return ServerAddress(endpoint=endpoint, uds=socket, api_key=api_key)
 
 
 @dataclass(frozen=True)
