@@ -48,6 +48,7 @@ __all__ = [
     "push",
     "raise_if_failed",
     "rollback",
+    "stage",
     "status",
     "stop",
 ]
@@ -144,6 +145,37 @@ def push(
         body["trace"] = check_path(trace, names.trace)
     with _watching(path, on_progress):
         answer = request(path, "POST", "/push", body, timeout, flag=names.timeout)
+    return raise_if_failed(answer) if check else answer
+
+
+def stage(
+    checkpoint_path: str | os.PathLike[str],
+    *,
+    allow_layout_change: bool = False,
+    control_socket: str | None = None,
+    endpoint: str | Sequence[str] = (),
+    uds: str | Sequence[str] = (),
+    wait: float = 0.0,
+    timeout: float = 900.0,
+    check: bool = True,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    push_id: str | None = None,
+    names: Names = ARGUMENTS,
+) -> dict[str, Any]:
+    """Read a checkpoint ahead for the next push (`ckptctl stage`): the job plans it and starts
+    reading it into a second set of pinned buffers (one more share of host memory a rank),
+    while the server keeps its weights, and answers (`staged`, `total_bytes`...); the push of
+    the same path that follows, if its files have not changed, sends it without reading it.
+    `status()["staged"]` says how far the read got. Refused (InvalidInput) as its push would be
+    (another layout, a checkpoint that is none)."""
+    path = find_job(control_socket, endpoint, uds, wait, names=names)
+    body = {
+        "checkpoint_path": os.path.realpath(os.fspath(checkpoint_path)),
+        "allow_layout_change": allow_layout_change,
+        "push_id": push_id,
+    }
+    with _watching(path, on_progress):
+        answer = request(path, "POST", "/stage", body, timeout, flag=names.timeout)
     return raise_if_failed(answer) if check else answer
 
 

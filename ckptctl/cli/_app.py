@@ -73,6 +73,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "update": update.update_command,
     "serve": serve.serve_command,
     "push": serve.push_command,
+    "stage": serve.stage_command,
     "rollback": serve.rollback_command,
     "status": serve.status_command,
     "stop": serve.stop_command,

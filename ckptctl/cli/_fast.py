@@ -1,4 +1,4 @@
-"""The serve job's clients (`push`, `rollback`, `status`, `stop`) without Typer's parsing.
+"""The serve job's clients (`push`, `stage`, `rollback`, `status`, `stop`) without Typer's parsing.
 
 They are run once per checkpoint from training scripts, where start-up is part of every push:
 Typer builds a pydantic validator for each option it parses, and the whole command tree with
@@ -23,6 +23,7 @@ from typing import Any
 
 COMMANDS = {
     "push": "push_command",
+    "stage": "stage_command",
     "rollback": "rollback_command",
     "status": "status_command",
     "stop": "stop_command",

@@ -38,6 +38,7 @@ PANELS: dict[str, tuple[str, ...]] = {
     "Resident job: serve under torchrun, then push from the node": (
         "serve",
         "push",
+        "stage",
         "rollback",
         "status",
         "stop",
@@ -94,6 +95,10 @@ EXAMPLES: dict[str, list[str]] = {
     "push": [
         "ckptctl push --wait 600 --checkpoint-path DIR --weight-version step-7",
         "ckptctl push --endpoint URL --checkpoint-path DIR --json",
+    ],
+    "stage": [
+        "ckptctl stage --checkpoint-path DIR",
+        "ckptctl push --checkpoint-path DIR --weight-version step-7",
     ],
     "rollback": ["ckptctl rollback", "ckptctl rollback --endpoint URL --json"],
     "status": [
@@ -161,6 +166,11 @@ MAIN_FLAGS: dict[str, list[tuple[str, str]]] = {
         ("--weight-version VERSION", "the version the server records"),
         ("--wait SECONDS", "wait this long for the job to answer"),
         ("--verify", "prove afterwards that the server holds the checkpoint"),
+        ("--json", "one JSON document on stdout"),
+    ],
+    "stage": [
+        ("--checkpoint-path DIR", "the checkpoint the next push sends (required)"),
+        ("--endpoint URL", "the job that feeds this server"),
         ("--json", "one JSON document on stdout"),
     ],
     "rollback": [

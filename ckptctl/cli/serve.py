@@ -168,22 +168,25 @@ def serve_command(
     run_job_with_display(run_serve, opts, out)
 
 
+AllowLayoutChangeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-layout-change",
+        metavar=FLAG,
+        rich_help_panel="Checkpoint",
+        help="Take it even if its tensor names, dtypes or shapes differ from those the job "
+        "served last (refused with exit 3 otherwise, before anything is sent).",
+    ),
+]
+
+
 def push_command(
     checkpoint_path: CheckpointPathOpt,
     weight_version: WeightVersionOpt = None,
     checkpoint_name: PushNameOpt = None,
     consume_shm_files: ConsumeShmOpt = False,
     verify: VerifyOpt = False,
-    allow_layout_change: Annotated[
-        bool,
-        typer.Option(
-            "--allow-layout-change",
-            metavar=FLAG,
-            rich_help_panel="Checkpoint",
-            help="Push even if its tensor names, dtypes or shapes differ from those the job "
-            "served last (refused with exit 3 otherwise, before anything is sent).",
-        ),
-    ] = False,
+    allow_layout_change: AllowLayoutChangeOpt = False,
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
@@ -220,6 +223,46 @@ def push_command(
             check=False,
             names=FLAGS,
             trace=trace,
+            **kw,
+        ),
+    )
+
+
+def stage_command(
+    checkpoint_path: CheckpointPathOpt,
+    allow_layout_change: AllowLayoutChangeOpt = False,
+    control_socket: JobSocketOpt = None,
+    endpoint: FindEndpointOpt = None,
+    uds: FindUdsOpt = None,
+    wait: WaitOpt = 0,
+    timeout: AnswerTimeoutOpt = 900,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+    show_help: HelpOpt = False,
+) -> None:
+    """Read a checkpoint ahead, for the next push of it to send without reading it.
+
+    The job plans it and starts reading it into a second set of pinned host buffers (one more
+    share of pinned memory on each rank) while the server keeps its weights, and answers at
+    once; `status` shows how far the read got. The next `push` of the same path, if its files
+    have not changed since, takes the buffers; a push of another checkpoint drops them.
+    Needs serve --register-mode direct (the default).
+    """
+    from ckptctl import client
+    from ckptctl._control_client import FLAGS
+
+    out = Output(json_mode=json_output, quiet=quiet)
+    path = client.find_job(control_socket, endpoint or (), uds or (), wait, names=FLAGS)
+    run_command(
+        out,
+        path,
+        lambda **kw: client.stage(
+            checkpoint_path,
+            allow_layout_change=allow_layout_change,
+            control_socket=path,
+            timeout=timeout,
+            check=False,
+            names=FLAGS,
             **kw,
         ),
     )
@@ -277,6 +320,15 @@ def run_command(out: Output, path: str, send: Any) -> None:
     elif trace:
         out.log(f"trace: {trace['path']} ({trace.get('events')} events)")
     client.raise_if_failed(doc)
+    if doc.get("action") == "stage":
+        from ckptctl.progress import format_bytes
+
+        out.show(
+            f"staged {doc.get('checkpoint_path')} (command {doc['seq']}: reading "
+            f"{format_bytes(doc.get('total_bytes') or 0)} ahead; the server's weights are "
+            "unchanged until it is pushed)"
+        )
+        return
     verified = f"; verified: {doc['verified']}" if doc.get("verified") else ""
     what = "rolled back to push {restores}".format(**doc) if doc.get("restores") else "pushed"
     out.show(

@@ -305,6 +305,16 @@ class ShareReader:
             for bucket, buffer, m in zip(self.buckets, self._buffers, metas, strict=True)
         ]
 
+    def discard(self, timeout: float) -> bool:
+        """Nobody will take these buffers (a staged read no push used): stop the read, then give
+        the buffers back to the pool. False if the reader did not stop within `timeout`
+        seconds: its buffers are kept from the pool then (it may still write into them)."""
+        self.progress.stop()
+        if not self.wait(timeout):
+            return False
+        self._abandon()
+        return True
+
     def _abandon(self) -> None:
         """After a failed read or pin: pinned memory goes back to the pool or is unpinned, so
         that a failed push neither leaks it nor leaves an unpinned buffer in the pool."""

@@ -56,6 +56,7 @@ PUSH_FIELDS = {
     "allow_layout_change",
     "trace",  # push --trace FILE: where rank 0 writes the push's timeline (observe/timeline.py)
 }
+STAGE_FIELDS = {"checkpoint_path", "push_id", "allow_layout_change"}
 # After a stop, a push under way must end within this many seconds, or the job ends anyway.
 STOP_GRACE_S = 8.0
 
@@ -117,7 +118,11 @@ def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[
         "weight_version": command.get("weight_version"),
         # whole: the server holds every tensor of this push; partial: a mix of old and new;
         # None: this push never reached the server's weights.
-        "server_weights": "whole" if first is None else ("partial" if partial else None),
+        "server_weights": None
+        if command.get("action") == "stage"  # (read ahead: nothing sent)
+        else "whole"
+        if first is None
+        else ("partial" if partial else None),
         "started_at": command.get("started_at"),
         "finished_at": utc_now(),
         "wall_s": wall_s,
@@ -172,6 +177,8 @@ class JobStatus:
             self.running = None
             self.last = merged
             self.pushes.add(merged)
+            if merged["action"] == "stage":
+                return  # read ahead: the server's weights are what they were
             if merged["ok"]:
                 self.server_weights = "whole"
                 seq = merged.get("restores") or merged["seq"]
@@ -282,6 +289,7 @@ class ServeLoop:
             ("GET", "/history"): self.handle_history,
             ("POST", "/push"): self.handle_push,
             ("POST", "/rollback"): self.handle_rollback,
+            ("POST", "/stage"): self.handle_stage,
             ("POST", "/cancel"): self.handle_cancel,
             ("POST", "/stop"): self.handle_stop,
         }
@@ -291,7 +299,9 @@ class ServeLoop:
             queued = len(self._queue)
             stopping = self._stop_reason is not None
         served = self.serve_state
+        staged = served.staged
         extra = {
+            "staged": None if staged is None else staged.describe(),
             "registered": served.registered,
             "pinned_pool_bytes": served.pinned_pool_bytes,
             "served_tensors": served.served_tensors,
@@ -337,6 +347,24 @@ class ServeLoop:
                 "push_id": doc.get("push_id"),
                 "allow_layout_change": bool(doc.get("allow_layout_change")),
                 "trace": doc.get("trace"),
+            }
+        )
+
+    def handle_stage(self, doc: Any) -> tuple[int, dict[str, Any]]:
+        """Read a checkpoint ahead for the next push (`ckptctl stage`): answered once every
+        rank has planned it and started reading; `status` shows how far the read got."""
+        refusal = self._not_here()
+        if refusal:
+            return refusal
+        problem = _check_push(doc, STAGE_FIELDS)
+        if problem:
+            return 400, {"ok": False, "error": problem.replace("push", "stage", 1)}
+        return self._enqueue(
+            {
+                "action": "stage",
+                "checkpoint_path": doc["checkpoint_path"],
+                "push_id": doc.get("push_id"),
+                "allow_layout_change": bool(doc.get("allow_layout_change")),
             }
         )
 
@@ -491,7 +519,9 @@ class ServeLoop:
                 command["trace"], merged["ranks"], write_it=self.rank == 0
             )
         self.status.record(merged)
-        if self.metrics is not None:
+        if self.metrics is not None and merged["action"] == "stage":
+            self.metrics.idle()  # (a read ahead is no push)
+        elif self.metrics is not None:
             self.metrics.pushed(merged, stages, self.status.weights)
         if self.rank == 0:
             what = f"{merged['action']} {merged['seq']} ({merged['checkpoint_path']})"
@@ -589,13 +619,13 @@ def _scope(command: dict[str, Any]) -> str:
     return f"push{command['seq']}" + ("-restore" if command["action"] == "restore" else "")
 
 
-def _check_push(doc: Any) -> str | None:
-    """Why a push request cannot run, or None."""
+def _check_push(doc: Any, fields: set[str] = PUSH_FIELDS) -> str | None:
+    """Why a push (or stage: its `fields`) request cannot run, or None."""
     if not isinstance(doc, dict):
         return 'push needs a JSON object: {"checkpoint_path": DIR, ...}'
-    unknown = sorted(set(doc) - PUSH_FIELDS)
+    unknown = sorted(set(doc) - fields)
     if unknown:
-        return f"unknown fields {unknown}; known: {sorted(PUSH_FIELDS)}"
+        return f"unknown fields {unknown}; known: {sorted(fields)}"
     path = doc.get("checkpoint_path")
     if not isinstance(path, str) or not path or len(path) > 4096:
         return 'push needs {"checkpoint_path": DIR}'

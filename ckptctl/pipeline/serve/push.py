@@ -30,12 +30,14 @@ from ckptctl.errors import (
     CkptctlError,
     ExitCode,
     InvalidInput,
+    UsageError,
     error_for,
+    print_error,
 )
 from ckptctl.pipeline.coordination import describe_abort
 from ckptctl.pipeline.job import Job
 from ckptctl.pipeline.request import RegisterMode
-from ckptctl.pipeline.serve.state import ServedLayout, ServeState
+from ckptctl.pipeline.serve.state import ServedLayout, ServeState, Staged
 
 if TYPE_CHECKING:
     from ckptctl.checkpoint import Checkpoint, Plan, RankPlan
@@ -212,6 +214,8 @@ def gpu_executor(
 
     def execute(job: Job, command: dict[str, Any]) -> dict[str, Any]:
         action = command.get("action", "push")
+        if action == "stage":
+            return stage(job, command)
         name = command.get("checkpoint_name") or f"push-{command['seq']}"
         if action != "push":
             name = f"{name}-{action}-{command['seq']}"
@@ -228,8 +232,16 @@ def gpu_executor(
             check_layout(state, checkpoint, command)
 
         pool = state.pool  # serve --register-mode direct: buffers kept between pushes
+        staged: list[ShareReader] = []  # the staged read this push took, if it took one
 
         def prefetch(checkpoint: Checkpoint, plan: Plan, share: RankPlan) -> ShareReader | None:
+            ahead = take_staged(state, command, checkpoint, share, mode)
+            if ahead is not None:
+                # Read already (or still reading) into buffers of its own: the checkpoint the
+                # server holds stays registered until this one is in.
+                staged.append(ahead)
+                job.reporter.log(f"push {command['seq']}: read ahead by `stage`")
+                return ahead
             if pool is not None and mode is RegisterMode.direct and state.registered is not None:
                 # Its buffers are refilled with this checkpoint: the server already holds it,
                 # and without p2p nobody reads it from here any more (every rank passed the
@@ -285,6 +297,8 @@ def gpu_executor(
                 read.stop()
             if t.registered:
                 session.unregister(name, pool)
+            elif staged:
+                discard(staged[0])
             # (read by failure_result; no bucket announced: the server kept its weights)
             if t.transfer_began and session.workers_connected() and session.buckets_announced():
                 exc.server_weights = "partial"  # type: ignore[attr-defined]
@@ -310,6 +324,7 @@ def gpu_executor(
                 del whole[old]
         return {
             "checkpoint_name": name,
+            "staged": bool(staged),  # read ahead by `ckptctl stage`
             "split": t.plan.split,
             "total_bytes": checkpoint.total_bytes,
             "tensor_count": len(checkpoint.tensors),  # the whole checkpoint's, as in update
@@ -318,7 +333,85 @@ def gpu_executor(
             "figures": job.figures(),
         }
 
+    def stage(job: Job, command: dict[str, Any]) -> dict[str, Any]:
+        """`ckptctl stage`: plan the checkpoint and start reading it into buffers of its own
+        (the pool's second set: one more share of pinned host memory), while the server keeps
+        what it holds; the push of it that follows takes them (`take_staged`)."""
+        pool = state.pool
+        if pool is None or opts.request.register_mode is not RegisterMode.direct:
+            raise UsageError(
+                "stage reads ahead into the pinned pool of serve --register-mode direct "
+                "(the default): this job registers another way"
+            )
+        if state.staged is not None:  # a stage replaces the one before it
+            discard(state.staged.reader)
+            state.staged = None
+        req = opts.request.for_push(command, f"stage-{command['seq']}")
+        checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], req.split)
+        check_layout(state, checkpoint, command)  # refused now, as its push would be
+        reader = stages.prefetch_share(
+            checkpoint,
+            share,
+            RegisterMode.direct,
+            pool,
+            plan=plan,
+            read_threads=req.read_threads,
+            drop_page_cache=opts.drop_page_cache,
+        )
+        assert reader is not None
+        path = command["checkpoint_path"]
+        state.staged = Staged(command["seq"], path, checkpoint, share, reader)
+        state.pinned_pool_bytes = pool.pinned_bytes
+        return {
+            "staged": True,
+            "split": plan.split,
+            "total_bytes": checkpoint.total_bytes,
+            "tensor_count": len(checkpoint.tensors),
+            "pinned_pool_bytes": pool.pinned_bytes,
+            "figures": job.figures(),
+        }
+
     return execute
+
+
+# How long a staged read no push took may take to stop before its buffers go back to the pool.
+DISCARD_WAIT_S = 30.0
+
+
+def discard(reader: ShareReader) -> None:
+    """A staged read nobody takes: stopped, its buffers back to the pool (kept from it, with a
+    warning, if its reader does not stop: it may still write into them)."""
+    if not reader.discard(DISCARD_WAIT_S):
+        print_error(
+            "a staged read did not stop; its buffers stay out of the pool until the job ends",
+            label="warning",
+        )
+
+
+def take_staged(
+    state: ServeState,
+    command: dict[str, Any],
+    checkpoint: Checkpoint,
+    share: RankPlan,
+    mode: RegisterMode,
+) -> ShareReader | None:
+    """The staged read for this command, if it is of the same files, unchanged since they were
+    staged (the same tensors, inodes, sizes and mtimes) and this rank's same share; any other
+    staged read is discarded: a command that reads a checkpoint ends the stage either way."""
+    staged, state.staged = state.staged, None
+    if staged is None:
+        return None
+    if (
+        mode is RegisterMode.direct
+        and command.get("action", "push") == "push"
+        and staged.checkpoint_path == command.get("checkpoint_path")
+        and staged.checkpoint.tensors == checkpoint.tensors
+        and staged.checkpoint.file_ids == checkpoint.file_ids
+        and staged.share.tensors == share.tensors
+    ):
+        return staged.reader
+    discard(staged.reader)
+    return None
 
 
 def _check_unchanged(state: ServeState, command: dict[str, Any], checkpoint: Any) -> None:

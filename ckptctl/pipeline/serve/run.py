@@ -73,6 +73,11 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
             restore=opts.restore,
             metrics=metrics,
         )
+        if state.staged is not None:  # read ahead for a push that never came
+            from ckptctl.pipeline.serve.push import discard
+
+            discard(state.staged.reader)
+            state.staged = None
         if state.registered is not None:
             session.unregister(state.registered, state.pool)
         if state.pool is not None:

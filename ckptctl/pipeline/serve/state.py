@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
-    from ckptctl.pipeline.host_memory import PinnedPool
+    from ckptctl.checkpoint.plan import RankPlan
+    from ckptctl.pipeline.host_memory import PinnedPool, ShareReader
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,31 @@ class ServedLayout:
 
     seq: int  # the push whose checkpoint it is
     tensors: Sequence[TensorInfo]  # their names, dtypes and shapes
+
+
+@dataclass
+class Staged:
+    """A checkpoint read ahead (`ckptctl stage`) into a second set of the pool's buffers while
+    the server keeps its weights: the push of it that follows takes them, read."""
+
+    seq: int  # the stage command's
+    checkpoint_path: str
+    checkpoint: Checkpoint
+    share: RankPlan
+    reader: ShareReader
+
+    def describe(self) -> dict[str, Any]:
+        """What `status` says of it."""
+        progress = self.reader.progress
+        return {
+            "seq": self.seq,
+            "checkpoint_path": self.checkpoint_path,
+            "total_bytes": self.checkpoint.total_bytes,
+            "share_bytes": progress.total_bytes,  # this rank's, which it reads
+            "bytes_read": progress.bytes_read,
+            "read": progress.done.is_set(),
+            "error": None if progress.error is None else str(progress.error),
+        }
 
 
 @dataclass
@@ -41,6 +67,7 @@ class ServeState:
     # The last KEPT_WHOLE whole pushes' checkpoints by seq, that a restore or rollback re-pushes.
     whole: dict[int, Checkpoint] = field(default_factory=dict)
     server_seen: bool = False  # the server answered once: later pushes wait --server-wait
+    staged: Staged | None = None  # `ckptctl stage`: read ahead for the next push
 
     @property
     def served_tensors(self) -> int | None:

@@ -1,0 +1,101 @@
+"""`ckptctl stage`: a checkpoint read ahead into a second set of the pool's buffers while the
+server keeps its weights, then pushed without being read - on CPU, in a real 2-rank serve job
+whose stand-in engine sends the bytes the way checkpoint-engine does, to a fake SGLang whose
+workers hash every tensor they load (as tests/serve/test_serve_overlap.py). Deadlines are safety
+nets; nothing here depends on how long anything takes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import run_script, wait_until
+from test_serve_faults import push, status
+from test_serve_overlap import file_digests, make_checkpoint, serving
+
+pytestmark = pytest.mark.slow
+
+
+def stage(sock: str, path: Path) -> tuple[int, dict, str]:
+    r = run_script(
+        "stage", "--control-socket", sock, "--checkpoint-path", str(path), "--json", timeout=120
+    )
+    return r.returncode, json.loads(r.stdout), r.stderr
+
+
+def staged_and_read(sock: str) -> bool:
+    staged = status(sock)["staged"]
+    return bool(staged and staged["read"])
+
+
+def test_a_staged_checkpoint_is_pushed_from_its_read_ahead_buffers(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    a = make_checkpoint(tmp_path / "a", seed=1)
+    b = make_checkpoint(tmp_path / "b", seed=2)
+    c = make_checkpoint(tmp_path / "c", seed=3)
+    with serving(short_tmp, tmp_path, a) as job:
+        one_share = status(job.sock)["pinned_pool_bytes"]
+        code, doc, err = stage(job.sock, b)
+        assert code == 0, err
+        assert doc["action"] == "stage" and doc["server_weights"] is None, doc
+        wait_until(lambda: staged_and_read(job.sock), what="the staged read")
+        now = status(job.sock)
+        assert now["staged"]["checkpoint_path"] == str(b.resolve()), now["staged"]
+        assert 0 < now["staged"]["bytes_read"] == now["staged"]["share_bytes"]
+        assert now["pinned_pool_bytes"] == 2 * one_share  # (its own buffers: one share more)
+        assert job.workers.digests == file_digests(a)  # nothing went to the server
+        assert now["weights"]["checkpoint_path"] == str(a.resolve())
+
+        # Its push takes the buffers read ahead: every tensor arrives, bit for bit.
+        job.workers.digests.clear()
+        code, doc, err = push(job.sock, path=b)
+        assert code == 0, err
+        assert all(r["staged"] for r in doc["ranks"]), doc["ranks"]
+        assert job.workers.digests == file_digests(b)
+        assert status(job.sock)["staged"] is None
+
+        # A stage that the next push does not take (another checkpoint) is dropped: that push
+        # reads its own, and the pool is back to one share.
+        code, _, err = stage(job.sock, c)
+        assert code == 0, err
+        code, doc, err = push(job.sock, path=a)
+        assert code == 0, err
+        assert not any(r["staged"] for r in doc["ranks"])
+        assert job.workers.digests == file_digests(a)
+        after = status(job.sock)
+        assert after["staged"] is None and after["pinned_pool_bytes"] == one_share
+        history = run_script("status", "--control-socket", job.sock, "--history", "--json")
+        actions = [p["action"] for p in json.loads(history.stdout)["pushes"]]
+        assert actions == ["push", "stage", "push", "stage", "push"], actions
+
+
+def test_a_stage_whose_files_changed_is_read_again(short_tmp: Path, tmp_path: Path) -> None:
+    """Bytes staged before the files changed are never pushed: the push reads them anew."""
+    a = make_checkpoint(tmp_path / "a", seed=1)
+    b = make_checkpoint(tmp_path / "b", seed=2)
+    other = make_checkpoint(tmp_path / "other", seed=3)  # the same layout, other bytes
+    with serving(short_tmp, tmp_path, a) as job:
+        code, _, err = stage(job.sock, b)
+        assert code == 0, err
+        wait_until(lambda: staged_and_read(job.sock), what="the staged read")
+        for shard in b.glob("*.safetensors"):  # rewritten since: new inodes, other bytes
+            shard.unlink()
+            shutil.copy(other / shard.name, shard)
+        code, doc, err = push(job.sock, path=b)
+        assert code == 0, err
+        assert not any(r["staged"] for r in doc["ranks"])
+        assert job.workers.digests == file_digests(other)
+
+
+def test_a_stage_is_refused_as_its_push_would_be(short_tmp: Path, tmp_path: Path) -> None:
+    a = make_checkpoint(tmp_path / "a", seed=1)
+    with serving(short_tmp, tmp_path, a) as job:
+        code, doc, err = stage(job.sock, tmp_path / "no-such-checkpoint")
+        assert code == 3, err
+        assert "no-such-checkpoint" in doc["error"] and doc["server_weights"] is None
+        assert status(job.sock)["staged"] is None
+        code, _, err = push(job.sock, path=a)  # the job serves on
+        assert code == 0, err
