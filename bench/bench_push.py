@@ -88,10 +88,17 @@ def breakdown(trace: dict[str, Any], rank: int = 0) -> dict[str, float]:
 
 
 def serve_pushes(
-    ckpts: list[Path], endpoint: str, bucket_gb: float, pushes: int, work: Path, n_tensors: int
+    ckpts: list[Path],
+    endpoint: str,
+    bucket_gb: float,
+    pushes: int,
+    work: Path,
+    n_tensors: int,
+    staged: bool = False,
 ) -> dict[str, Any]:
     """One serve job with --bucket-size-gb `bucket_gb`: a first push (the pool's), then
-    `pushes` pushes through ckptctl.client, alternating checkpoints, each traced."""
+    `pushes` pushes through ckptctl.client, alternating checkpoints, each traced; with
+    `staged`, each of those read ahead first (client.stage, until its read is done)."""
     from ckptctl import client
 
     sock = str(work / f"push-{os.getpid()}-{bucket_gb}.sock")
@@ -117,6 +124,13 @@ def serve_pushes(
             # the DeepSeek-V3 layout, is no server's work): the pushes alternate checkpoints
             # of other bytes, so a tensor one missed still shows as a mismatch.
             set_receiver(endpoint, verify_against=str(ckpt), scrub=False)
+            if staged and i > 0:
+                client.stage(ckpt, control_socket=sock)
+                deadline = time.monotonic() + 120
+                while not (client.status(control_socket=sock)["staged"] or {}).get("read"):
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"the stage of push {i} was not read in 120 s")
+                    time.sleep(0.05)
             t0 = time.perf_counter()
             answer = client.push(
                 ckpt, weight_version=f"v{i}", control_socket=sock, check=False, trace=str(trace)
@@ -129,6 +143,7 @@ def serve_pushes(
                 {
                     "push": i,
                     "first": i == 0,
+                    "staged": any(r.get("staged") for r in answer["ranks"]),
                     "client_wall_s": round(wall, 4),
                     "bit_exact": all_received(rep, n_tensors) and rep["weight_version"] == f"v{i}",
                     **{k: round(v, 4) for k, v in breakdown(json.loads(trace.read_text())).items()},
@@ -145,6 +160,7 @@ def serve_pushes(
     keys = sorted({k for r in later for k in r if k.endswith("_s") or k == "buckets"})
     return {
         "bucket_size_gib": bucket_gb,
+        "staged": staged,
         "pushes": rows,
         "median": {k: statistics.median(r[k] for r in later if k in r) for k in keys},
         "all_bit_exact": all(r["bit_exact"] for r in rows),
@@ -161,6 +177,11 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/ckptctl-bench")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints afterwards")
+    parser.add_argument(
+        "--stage",
+        action="store_true",
+        help="also each bucket size with every push read ahead first (ckptctl stage)",
+    )
     args = parser.parse_args()
 
     work = Path(args.workdir)
@@ -202,6 +223,7 @@ def main() -> None:
             "bench_command": f"python bench/bench_push.py --model {args.model} "
             f"--bucket-sizes {args.bucket_sizes} --pushes {args.pushes}"
             + (" --seed-script SEED" if args.seed_script else "")
+            + (" --stage" if args.stage else "")
             + f" --workdir {args.workdir}",
         }
 
@@ -220,8 +242,9 @@ def main() -> None:
     receiver, endpoint = start_receiver(ckpts[0], 1)
     try:
         for gb in [float(x) for x in args.bucket_sizes.split(",")]:
-            runs.append(serve_pushes(ckpts, endpoint, gb, args.pushes, work, n_tensors))
-            save()
+            for staged in (False, True) if args.stage else (False,):
+                runs.append(serve_pushes(ckpts, endpoint, gb, args.pushes, work, n_tensors, staged))
+                save()
     finally:
         receiver.terminate()
         receiver.wait(timeout=60)
@@ -283,9 +306,9 @@ def markdown(doc: dict[str, Any]) -> str:
         cells = [f"{med[k]:.3f}" if k in med and k != "buckets" else str(med.get(k, "-"))
                  for k, _ in cols]  # fmt: skip
         ratio = med["client_wall_s"] / bound if bound else 0
+        bucket = f"{run['bucket_size_gib']:g}" + (", staged" if run.get("staged") else "")
         lines.append(
-            f"| {run['bucket_size_gib']:g} | " + " | ".join(cells) + f" | {ratio:.2f}x | "
-            f"{run['all_bit_exact']} |"
+            f"| {bucket} | " + " | ".join(cells) + f" | {ratio:.2f}x | {run['all_bit_exact']} |"
         )
     return "\n".join(lines) + "\n"
 
