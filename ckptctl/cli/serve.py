@@ -578,12 +578,26 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
         if last.get("ok"):
             size = last.get("total_bytes") or 0
             secs = float(last.get("wall_s") or last.get("seconds") or 0)
-            rate = f", {size / secs / 1e9:.2f} GB/s" if size and secs > 0 else ""
+            moved = size and secs > 0 and last.get("action") != "stage"  # (a stage only plans)
+            rate = f", {size / secs / 1e9:.2f} GB/s" if moved else ""
             lines.append(
                 f"{head}: ok in {secs:.2f}s ({size / 1e9:.2f} GB{rate}), at {_ago(last.get('finished_at'))}"
             )
         else:
             lines.append(f"{head}: failed (exit {last.get('exit_code')}): {last.get('error')}")
+    staged = doc.get("staged")
+    if staged:
+        read = (
+            f"failed: {staged['error']}"
+            if staged.get("error")
+            else "read"
+            if staged.get("read")
+            else f"{staged.get('bytes_read', 0) / 1e9:.2f} of {staged.get('share_bytes', 0) / 1e9:.2f} GB read"
+        )
+        lines.append(
+            f"staged for the next push: {staged.get('checkpoint_path')} (stage "
+            f"{staged.get('seq')}; rank {rank}'s share {read})"
+        )
     if doc.get("registered"):
         lines.append(f"registered: {doc['registered']}")
     if doc.get("served_tensors"):

@@ -7,13 +7,14 @@ nets; nothing here depends on how long anything takes."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 from conftest import run_script, wait_until
 from test_serve_faults import push, status
-from test_serve_overlap import file_digests, make_checkpoint, serving
+from test_serve_overlap import file_digests, make_checkpoint, serving, shards_of
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,8 @@ def test_a_staged_checkpoint_is_pushed_from_its_read_ahead_buffers(
         assert now["pinned_pool_bytes"] == 2 * one_share  # (its own buffers: one share more)
         assert job.workers.digests == file_digests(a)  # nothing went to the server
         assert now["weights"]["checkpoint_path"] == str(a.resolve())
+        human = run_script("status", "--control-socket", job.sock, timeout=30)
+        assert f"staged for the next push: {b.resolve()}" in human.stdout, human.stdout
 
         # Its push takes the buffers read ahead: every tensor arrives, bit for bit.
         job.workers.digests.clear()
@@ -91,11 +94,40 @@ def test_a_stage_whose_files_changed_is_read_again(short_tmp: Path, tmp_path: Pa
 
 
 def test_a_stage_is_refused_as_its_push_would_be(short_tmp: Path, tmp_path: Path) -> None:
+    """...and a refused stage leaves the stage before it as it was."""
     a = make_checkpoint(tmp_path / "a", seed=1)
+    b = make_checkpoint(tmp_path / "b", seed=2)
     with serving(short_tmp, tmp_path, a) as job:
+        code, _, err = stage(job.sock, b)
+        assert code == 0, err
         code, doc, err = stage(job.sock, tmp_path / "no-such-checkpoint")
         assert code == 3, err
         assert "no-such-checkpoint" in doc["error"] and doc["server_weights"] is None
-        assert status(job.sock)["staged"] is None
-        code, _, err = push(job.sock, path=a)  # the job serves on
+        assert status(job.sock)["staged"]["checkpoint_path"] == str(b.resolve())
+        code, doc, err = push(job.sock, path=b)  # the job serves on, from the stage
         assert code == 0, err
+        assert all(r["staged"] for r in doc["ranks"])
+        assert job.workers.digests == file_digests(b)
+
+
+def test_a_stage_whose_read_failed_is_read_again(short_tmp: Path, tmp_path: Path) -> None:
+    """A staged read that failed (a file cut short while it read, back as it was since: a
+    passing fault) is not the push's: the push reads the files anew and succeeds."""
+    a = make_checkpoint(tmp_path / "a", seed=1)
+    b = make_checkpoint(tmp_path / "b", seed=2)
+    with serving(short_tmp, tmp_path, a) as job:
+        first = b / shards_of(b)[0]  # (rank 0's: status shows rank 0's read)
+        data, before = first.read_bytes(), first.stat()
+        job.hold(b, first.name, cut=True)
+        (job.flags / "loaded").touch()  # the held read goes on at once, cut short
+        code, _, err = stage(job.sock, b)
+        assert code == 0, err
+        wait_until(lambda: (status(job.sock)["staged"] or {}).get("error"), what="the cut")
+        job.release_all()
+        with open(first, "r+b") as fh:  # the same file again: inode, size, mtime
+            fh.write(data)
+        os.utime(first, ns=(before.st_atime_ns, before.st_mtime_ns))
+        code, doc, err = push(job.sock, path=b)
+        assert code == 0, doc.get("error")
+        assert not any(r["staged"] for r in doc["ranks"])
+        assert job.workers.digests == file_digests(b)

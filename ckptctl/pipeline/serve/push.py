@@ -235,7 +235,7 @@ def gpu_executor(
         staged: list[ShareReader] = []  # the staged read this push took, if it took one
 
         def prefetch(checkpoint: Checkpoint, plan: Plan, share: RankPlan) -> ShareReader | None:
-            ahead = take_staged(state, command, checkpoint, share, mode)
+            ahead = take_staged(job, state, command, checkpoint, share, mode)
             if ahead is not None:
                 # Read already (or still reading) into buffers of its own: the checkpoint the
                 # server holds stays registered until this one is in.
@@ -343,12 +343,12 @@ def gpu_executor(
                 "stage reads ahead into the pinned pool of serve --register-mode direct "
                 "(the default): this job registers another way"
             )
-        if state.staged is not None:  # a stage replaces the one before it
-            discard(state.staged.reader)
-            state.staged = None
         req = opts.request.for_push(command, f"stage-{command['seq']}")
         checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], req.split)
         check_layout(state, checkpoint, command)  # refused now, as its push would be
+        if state.staged is not None:  # a stage replaces the one before it
+            discard(state.staged.reader)
+            state.staged = None
         reader = stages.prefetch_share(
             checkpoint,
             share,
@@ -389,26 +389,36 @@ def discard(reader: ShareReader) -> None:
 
 
 def take_staged(
+    job: Job,
     state: ServeState,
     command: dict[str, Any],
     checkpoint: Checkpoint,
     share: RankPlan,
     mode: RegisterMode,
 ) -> ShareReader | None:
-    """The staged read for this command, if it is of the same files, unchanged since they were
-    staged (the same tensors, inodes, sizes and mtimes) and this rank's same share; any other
-    staged read is discarded: a command that reads a checkpoint ends the stage either way."""
+    """The staged read for this command, if every rank has one of the same files, unchanged
+    since they were staged (the same tensors, inodes, sizes and mtimes), of its same share,
+    and read without an error; else it is discarded: a command that reads a checkpoint ends
+    the stage either way. The ranks agree through the store: a rank that sent staged bytes
+    while another read files changed since would push a mix of two checkpoints."""
     staged, state.staged = state.staged, None
-    if staged is None:
-        return None
-    if (
-        mode is RegisterMode.direct
+    usable = (
+        staged is not None
+        and mode is RegisterMode.direct
         and command.get("action", "push") == "push"
         and staged.checkpoint_path == command.get("checkpoint_path")
         and staged.checkpoint.tensors == checkpoint.tensors
         and staged.checkpoint.file_ids == checkpoint.file_ids
         and staged.share.tensors == share.tensors
-    ):
+        and staged.reader.progress.error is None
+    )
+    if state.pool is not None and job.coordinator is not None:  # (alike on every rank)
+        job.coordinator.publish("staged", {"usable": usable})
+        ranks = job.coordinator.collect("staged", timeout_s=max(job.watchdog.remaining(), 1.0))
+        usable = all(doc.get("usable") is True for doc in ranks)
+    if staged is None:
+        return None
+    if usable:
         return staged.reader
     discard(staged.reader)
     return None

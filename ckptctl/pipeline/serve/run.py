@@ -73,10 +73,9 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
             restore=opts.restore,
             metrics=metrics,
         )
-        if state.staged is not None:  # read ahead for a push that never came
-            from ckptctl.pipeline.serve.push import discard
-
-            discard(state.staged.reader)
+        if state.staged is not None:  # read ahead for a push that never came: stop its read
+            # (not waited for: the job ends, and the pool's close keeps its memory mapped)
+            state.staged.reader.progress.stop()
             state.staged = None
         if state.registered is not None:
             session.unregister(state.registered, state.pool)
