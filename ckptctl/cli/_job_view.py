@@ -137,7 +137,7 @@ def history_table(doc: dict[str, Any]) -> Any:
     for p in doc.get("pushes") or []:
         what = p.get("outcome") or "-"
         if p.get("action") not in (None, "push") and what != "rolled back":
-            what += f" ({p['action']})"  # a rollback that did not go through
+            what += f" ({p['action']})"  # a stage, a restore, a rollback that did not go through
         secs, when = p.get("wall_s"), p.get("finished_at")
         table.add_row(
             str(p.get("seq")),
@@ -151,7 +151,7 @@ def history_table(doc: dict[str, Any]) -> Any:
             p.get("server_weights") or "unchanged",
         )
     run, limit = doc.get("pushes_run") or 0, doc.get("history_limit")
-    note = f"{run} push(es) run, the last {limit} kept"
+    note = f"{run} command(s) run (pushes, stages, rollbacks), the last {limit} kept"
     return Group(table, Text(note)) if run else Text("no push yet")
 
 

@@ -510,9 +510,9 @@ def stop_command(
 
 
 def _runs(doc: dict[str, Any]) -> str:
-    """The pushes and rollbacks the job ran: how many ended ok, how many failed."""
+    """The commands the job ran (pushes, stages, rollbacks): how many ended ok, how many failed."""
     done, failed = int(doc.get("commands") or 0), int(doc.get("failed") or 0)
-    return f"{done} push(es) run: {done - failed} ok, {failed} failed"
+    return f"{done} command(s) run: {done - failed} ok, {failed} failed"
 
 
 def _ago(stamp: str | None) -> str:

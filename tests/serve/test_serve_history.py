@@ -84,7 +84,9 @@ def test_history_lists_each_push_with_its_outcome(short_tmp: Path, tmp_path: Pat
             rows, ["ok", "refused before sending", "failed", "restored"], strict=True
         ):
             assert word in row and ("v" + row.split()[0]) in row, table.stdout
-        assert "4 push(es) run, the last 1000 kept" in table.stdout, table.stdout
+        assert "4 command(s) run (pushes, stages, rollbacks), the last 1000 kept" in table.stdout, (
+            table.stdout
+        )
         plain = run_script("status", "--control-socket", sock, timeout=30)
         assert "refused before sending" not in plain.stdout  # plain status: as before
 

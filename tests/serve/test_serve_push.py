@@ -85,7 +85,7 @@ def test_a_push_that_breaks_off_after_the_workers_connected_says_partial_and_the
         assert st["commands"] == 3 and st["succeeded"] == 2 and st["failed"] == 1
         human = run_script("status", "--control-socket", sock, timeout=30).stdout
         assert "server weights: whole, from push 3" in human and "weight version v3" in human
-        assert "3 push(es) run: 2 ok, 1 failed" in human, human
+        assert "3 command(s) run: 2 ok, 1 failed" in human, human
         out, err = _stop(job, sock)
     assert job.returncode == 0, err[-3000:]
 
