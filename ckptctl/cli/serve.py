@@ -330,6 +330,8 @@ def run_command(out: Output, path: str, send: Any) -> None:
         )
         return
     verified = f"; verified: {doc['verified']}" if doc.get("verified") else ""
+    if any(r.get("staged") for r in doc.get("ranks") or []):
+        verified += "; read ahead by stage"
     what = "rolled back to push {restores}".format(**doc) if doc.get("restores") else "pushed"
     out.show(
         f"{what} {doc.get('checkpoint_path')} (push {doc['seq']}, {doc.get('wall_s') or 0:.2f}s; "
