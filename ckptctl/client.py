@@ -143,9 +143,7 @@ def push(
         from ckptctl.observe.timeline import check_path
 
         body["trace"] = check_path(trace, names.trace)
-    with _watching(path, on_progress):
-        answer = request(path, "POST", "/push", body, timeout, flag=names.timeout)
-    return raise_if_failed(answer) if check else answer
+    return _run(path, "/push", body, timeout, check=check, on_progress=on_progress, names=names)
 
 
 def stage(
@@ -174,9 +172,7 @@ def stage(
         "allow_layout_change": allow_layout_change,
         "push_id": push_id,
     }
-    with _watching(path, on_progress):
-        answer = request(path, "POST", "/stage", body, timeout, flag=names.timeout)
-    return raise_if_failed(answer) if check else answer
+    return _run(path, "/stage", body, timeout, check=check, on_progress=on_progress, names=names)
 
 
 def rollback(
@@ -193,16 +189,8 @@ def rollback(
     """Push the whole checkpoint before the last whole one again, with its weight version
     (`ckptctl rollback`). InvalidInput (3) when there is none, or when its files changed."""
     path = find_job(control_socket, endpoint, uds, 0.0, names=names)
-    with _watching(path, on_progress):
-        answer = request(
-            path,
-            "POST",
-            "/rollback",
-            {"push_id": push_id},
-            timeout,
-            flag=names.timeout,
-        )
-    return raise_if_failed(answer) if check else answer
+    body = {"push_id": push_id}
+    return _run(path, "/rollback", body, timeout, check=check, on_progress=on_progress, names=names)
 
 
 def cancel(push_id: str, *, control_socket: str) -> dict[str, Any]:
@@ -210,6 +198,23 @@ def cancel(push_id: str, *, control_socket: str) -> dict[str, Any]:
     "cancelled"}` (it had not started), `"cancelling"` (its transfer is being ended, then the
     server restored; its own answer says how it ended) or `"not found"` (it is over)."""
     return request(control_socket, "POST", "/cancel", {"push_id": push_id}, 10.0)
+
+
+def _run(
+    path: str,
+    route: str,
+    body: dict[str, Any],
+    timeout: float,
+    *,
+    check: bool,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+    names: Names,
+) -> dict[str, Any]:
+    """One command the job runs (a push, stage or rollback): sent, watched while it runs, and
+    its answer, raised as the command's exception with `check` when it failed."""
+    with _watching(path, on_progress):
+        answer = request(path, "POST", route, body, timeout, flag=names.timeout)
+    return raise_if_failed(answer) if check else answer
 
 
 @contextlib.contextmanager

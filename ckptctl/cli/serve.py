@@ -7,7 +7,9 @@ only serve job of this user on the node.
 
 from __future__ import annotations
 
+import functools
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
@@ -204,27 +206,21 @@ def push_command(
     and, if the server had begun taking the weights, pushes the last whole checkpoint again.
     """
     from ckptctl import client
-    from ckptctl._control_client import FLAGS
 
-    out = Output(json_mode=json_output, quiet=quiet)
-    path = client.find_job(control_socket, endpoint or (), uds or (), wait, names=FLAGS)
     run_command(
-        out,
-        path,
-        lambda **kw: client.push(
+        functools.partial(
+            client.push,
             checkpoint_path,
             weight_version=weight_version,
             checkpoint_name=checkpoint_name,
             consume_shm_files=consume_shm_files,
             verify=verify,
             allow_layout_change=allow_layout_change,
-            control_socket=path,
-            timeout=timeout,
-            check=False,
-            names=FLAGS,
             trace=trace,
-            **kw,
         ),
+        Output(json_mode=json_output, quiet=quiet),
+        JobAddress(control_socket, endpoint, uds, wait),
+        timeout,
     )
 
 
@@ -249,22 +245,12 @@ def stage_command(
     Needs serve --register-mode direct (the default).
     """
     from ckptctl import client
-    from ckptctl._control_client import FLAGS
 
-    out = Output(json_mode=json_output, quiet=quiet)
-    path = client.find_job(control_socket, endpoint or (), uds or (), wait, names=FLAGS)
     run_command(
-        out,
-        path,
-        lambda **kw: client.stage(
-            checkpoint_path,
-            allow_layout_change=allow_layout_change,
-            control_socket=path,
-            timeout=timeout,
-            check=False,
-            names=FLAGS,
-            **kw,
-        ),
+        functools.partial(client.stage, checkpoint_path, allow_layout_change=allow_layout_change),
+        Output(json_mode=json_output, quiet=quiet),
+        JobAddress(control_socket, endpoint, uds, wait),
+        timeout,
     )
 
 
@@ -283,31 +269,49 @@ def rollback_command(
     checkpoint's files changed since it was pushed (sizes, mtimes, headers).
     """
     from ckptctl import client
-    from ckptctl._control_client import FLAGS
 
-    out = Output(json_mode=json_output, quiet=quiet)
-    path = client.find_job(control_socket, endpoint or (), uds or (), 0.0, names=FLAGS)
     run_command(
-        out,
-        path,
-        lambda **kw: client.rollback(
-            control_socket=path, timeout=timeout, check=False, names=FLAGS, **kw
-        ),
+        client.rollback,
+        Output(json_mode=json_output, quiet=quiet),
+        JobAddress(control_socket, endpoint, uds, 0.0),
+        timeout,
     )
 
 
-def run_command(out: Output, path: str, send: Any) -> None:
-    """Send a push or rollback with a push id of its own, show its progress while it runs,
-    cancel it on Ctrl-C, then report its answer (stdout: the result)."""
+@dataclass(frozen=True)
+class JobAddress:
+    """How a client command's flags name its serve job (ckptctl.client.find_job's arguments)."""
+
+    control_socket: str | None
+    endpoint: list[str] | None
+    uds: list[str] | None
+    wait: float
+
+
+def run_command(send: Any, out: Output, job: JobAddress, timeout: float) -> None:
+    """Find the job, send it a push, stage or rollback (`send`: ckptctl.client's, its own
+    arguments bound) with a push id of its own, show its progress while it runs, cancel it on
+    Ctrl-C, then report its answer (stdout: the result)."""
     import secrets
 
     from ckptctl import client
+    from ckptctl._control_client import FLAGS
     from ckptctl.errors import Interrupted
 
+    path = client.find_job(
+        job.control_socket, job.endpoint or (), job.uds or (), job.wait, names=FLAGS
+    )
     push_id = secrets.token_hex(8)
     progress = PushProgress(out)
     try:
-        doc = send(on_progress=progress.show, push_id=push_id)
+        doc = send(
+            control_socket=path,
+            timeout=timeout,
+            check=False,
+            names=FLAGS,
+            on_progress=progress.show,
+            push_id=push_id,
+        )
     except (KeyboardInterrupt, Interrupted):
         progress.clear()
         doc = _cancel(out, path, push_id)
