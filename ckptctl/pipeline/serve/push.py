@@ -32,7 +32,6 @@ from ckptctl.errors import (
     InvalidInput,
     UsageError,
     error_for,
-    print_error,
 )
 from ckptctl.pipeline.coordination import describe_abort
 from ckptctl.pipeline.job import Job
@@ -232,7 +231,7 @@ def gpu_executor(
             check_layout(state, checkpoint, command)
 
         pool = state.pool  # serve --register-mode direct: buffers kept between pushes
-        staged: list[ShareReader] = []  # the staged read this push took, if it took one
+        staged: list[Staged] = []  # the stage this push took, if it took one
 
         def prefetch(checkpoint: Checkpoint, plan: Plan, share: RankPlan) -> ShareReader | None:
             ahead = take_staged(job, state, command, checkpoint, share, mode)
@@ -241,7 +240,7 @@ def gpu_executor(
                 # server holds stays registered until this one is in.
                 staged.append(ahead)
                 job.reporter.log(f"push {command['seq']}: read ahead by `stage`")
-                return ahead
+                return ahead.reader
             if pool is not None and mode is RegisterMode.direct and state.registered is not None:
                 # Its buffers are refilled with this checkpoint: the server already holds it,
                 # and without p2p nobody reads it from here any more (every rank passed the
@@ -298,7 +297,7 @@ def gpu_executor(
             if t.registered:
                 session.unregister(name, pool)
             elif staged:
-                discard(staged[0])
+                staged[0].discard()
             # (read by failure_result; no bucket announced: the server kept its weights)
             if t.transfer_began and session.workers_connected() and session.buckets_announced():
                 exc.server_weights = "partial"  # type: ignore[attr-defined]
@@ -346,9 +345,7 @@ def gpu_executor(
         req = opts.request.for_push(command, f"stage-{command['seq']}")
         checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], req.split)
         check_layout(state, checkpoint, command)  # refused now, as its push would be
-        if state.staged is not None:  # a stage replaces the one before it
-            discard(state.staged.reader)
-            state.staged = None
+        state.drop_staged()  # a stage replaces the one before it
         reader = stages.prefetch_share(
             checkpoint,
             share,
@@ -374,20 +371,6 @@ def gpu_executor(
     return execute
 
 
-# How long a staged read no push took may take to stop before its buffers go back to the pool.
-DISCARD_WAIT_S = 30.0
-
-
-def discard(reader: ShareReader) -> None:
-    """A staged read nobody takes: stopped, its buffers back to the pool (kept from it, with a
-    warning, if its reader does not stop: it may still write into them)."""
-    if not reader.discard(DISCARD_WAIT_S):
-        print_error(
-            "a staged read did not stop; its buffers stay out of the pool until the job ends",
-            label="warning",
-        )
-
-
 def take_staged(
     job: Job,
     state: ServeState,
@@ -395,12 +378,14 @@ def take_staged(
     checkpoint: Checkpoint,
     share: RankPlan,
     mode: RegisterMode,
-) -> ShareReader | None:
-    """The staged read for this command, if every rank has one of the same files, unchanged
+) -> Staged | None:
+    """The stage for this command, if every rank has one of the same files, unchanged
     since they were staged (the same tensors, inodes, sizes and mtimes), of its same share,
     and read without an error; else it is discarded: a command that reads a checkpoint ends
     the stage either way. The ranks agree through the store: a rank that sent staged bytes
-    while another read files changed since would push a mix of two checkpoints."""
+    while another read files changed since would push a mix of two checkpoints. Every push
+    of a pool asks (a store round trip), stage or none: a stage that failed on some ranks only
+    leaves one on the others."""
     staged, state.staged = state.staged, None
     usable = (
         staged is not None
@@ -419,8 +404,8 @@ def take_staged(
     if staged is None:
         return None
     if usable:
-        return staged.reader
-    discard(staged.reader)
+        return staged
+    staged.discard()
     return None
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.defaults import PUSH_LOG_SIZE
-from ckptctl.errors import ExitCode
+from ckptctl.errors import ExitCode, print_error
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -31,6 +31,10 @@ class ServedLayout:
     tensors: Sequence[TensorInfo]  # their names, dtypes and shapes
 
 
+# How long a staged read no push took may take to stop before its buffers go back to the pool.
+DISCARD_WAIT_S = 30.0
+
+
 @dataclass
 class Staged:
     """A checkpoint read ahead (`ckptctl stage`) into a second set of the pool's buffers while
@@ -41,6 +45,15 @@ class Staged:
     checkpoint: Checkpoint
     share: RankPlan
     reader: ShareReader
+
+    def discard(self) -> None:
+        """No push takes it: its read stopped, its buffers back to the pool (kept from it, with
+        a warning, if the reader does not stop: it may still write into them)."""
+        if not self.reader.discard(DISCARD_WAIT_S):
+            print_error(
+                "a staged read did not stop; its buffers stay out of the pool until the job ends",
+                label="warning",
+            )
 
     def describe(self) -> dict[str, Any]:
         """What `status` says of it."""
@@ -68,6 +81,12 @@ class ServeState:
     whole: dict[int, Checkpoint] = field(default_factory=dict)
     server_seen: bool = False  # the server answered once: later pushes wait --server-wait
     staged: Staged | None = None  # `ckptctl stage`: read ahead for the next push
+
+    def drop_staged(self) -> None:
+        """Discard the stage held, if any (`Staged.discard`)."""
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            staged.discard()
 
     @property
     def served_tensors(self) -> int | None:
