@@ -112,7 +112,3 @@ class LastResult(Generic[R]):
         with self._lock:
             self._last = (key, value)
         return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._last = None
