@@ -141,7 +141,6 @@ class StageLog:
     """Every stage this rank ran, in order."""
 
     stages: list[StageFigures] = field(default_factory=list)
-    current: str = ""
 
     def as_json(self) -> dict[str, Any]:
         return {s.name: s.as_json() for s in self.stages}
@@ -223,7 +222,6 @@ class Reporter:
         figures = StageFigures(
             name, bytes=nbytes, label=label, done=done, node_wide=node_wide, seq=seq
         )
-        self.figures.current = label
         with self._lock:
             self.running[name] = figures
         self._started(figures)
@@ -235,13 +233,22 @@ class Reporter:
             ok = True
         finally:
             figures.seconds = time.perf_counter() - figures.started_at
-            self.figures.current = ""
             with self._lock:
                 self.running.pop(name, None)
             if not ok:
                 self._failed(figures)
         self.figures.stages.append(figures)
         self._finished(figures)
+
+    def describe_running(self) -> str:
+        """The innermost stage that runs now and what it waits on, for a deadline's message:
+        "waiting for the inference server (http://...: connection refused, 12s of 13s)"."""
+        with self._lock:
+            running = list(self.running.values())
+        if not running:
+            return ""
+        figures = running[-1]
+        return f"{figures.label} ({figures.detail})" if figures.detail else figures.label
 
     def close(self) -> None:
         self._stop.set()

@@ -142,7 +142,7 @@ def run_job(
     """Run `body` on this rank under a watchdog; a failure here ends every rank promptly."""
     coordinator = Coordinator.connect(launch, timeout)
     watchdog = Watchdog(
-        launch, coordinator, timeout_s=timeout, describe_stage=lambda: reporter.figures.current
+        launch, coordinator, timeout_s=timeout, describe_stage=reporter.describe_running
     )
     configure_engine_logging(verbose, debug)
     node = NodeProgress.start(launch, coordinator, reporter)  # rank 0 draws the whole node

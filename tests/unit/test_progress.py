@@ -50,6 +50,20 @@ def test_a_counter_made_before_its_stage_is_the_stages() -> None:
         assert again.done is not early and again.done_bytes() == 0 and again.key == "register#2"
 
 
+def test_a_deadline_names_the_innermost_stage_and_what_it_waits_on() -> None:
+    """The watchdog's "timed out ... during X" used to name the stage alone: the wait for a
+    server that never came up did not say which server, or what it last answered."""
+    reporter = Reporter(lambda _: None, primary=True)
+    assert reporter.describe_running() == ""
+    with reporter.stage("push", "pushing"), reporter.stage("wait_server", "waiting") as st:
+        assert reporter.describe_running() == "waiting"
+        st.detail = "http://127.0.0.1:9: connection refused, 12s of 13s"
+        assert reporter.describe_running() == (
+            "waiting (http://127.0.0.1:9: connection refused, 12s of 13s)"
+        )
+    assert reporter.describe_running() == ""
+
+
 def test_plain_progress_lines_while_bytes_move() -> None:
     lines: list[str] = []
     reporter = Reporter(lines.append, primary=True)
