@@ -100,9 +100,12 @@ class Job:
 
 
 @contextmanager
-def serving(short_tmp: Path, tmp_path: Path, first: Path, checker: bool = False) -> Iterator[Job]:
+def serving(
+    short_tmp: Path, tmp_path: Path, first: Path, checker: bool = False, restore: bool = False
+) -> Iterator[Job]:
     """A serve job whose first push (of `first`, checked bit for bit) pinned its pool; with
-    `checker`, its TP2 server answers SGLang's weights checker with what `job.pushing` holds."""
+    `checker`, its TP2 server answers SGLang's weights checker with what `job.pushing` holds;
+    with `restore`, a push that fails part-way is followed by a restore (serve's default)."""
     flags = tmp_path / "flags"
     ipc = tmp_path / "ipc"
     flags.mkdir()
@@ -127,7 +130,7 @@ def serving(short_tmp: Path, tmp_path: Path, first: Path, checker: bool = False)
         FakeServer(behaviour) as server,
         cpu_serve_job(
             server.endpoint, "--control-socket", sock, "--push-timeout", "120",
-            "--read-threads", "1", "--no-restore", env=env,
+            "--read-threads", "1", *([] if restore else ["--no-restore"]), env=env,
         ),
     ):  # fmt: skip
         try:

@@ -131,3 +131,32 @@ def test_a_stage_whose_read_failed_is_read_again(short_tmp: Path, tmp_path: Path
         assert code == 0, doc.get("error")
         assert not any(r["staged"] for r in doc["ranks"])
         assert job.workers.digests == file_digests(b)
+
+
+def test_a_staged_push_failing_part_way_is_restored_from_the_files_of_the_last_whole_one(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    """The server fails a bucket of a staged push: the restore pushes the checkpoint it held
+    before (still registered: a staged push does not unregister it first) bit for bit, the
+    stage's buffers go back to the pool, and the same stage's files push whole afterwards."""
+    a = make_checkpoint(tmp_path / "a", seed=1)
+    b = make_checkpoint(tmp_path / "b", seed=2)
+    with serving(short_tmp, tmp_path, a, restore=True) as job:
+        one_share = status(job.sock)["pinned_pool_bytes"]
+        code, _, err = stage(job.sock, b)
+        assert code == 0, err
+        wait_until(lambda: staged_and_read(job.sock), what="the staged read")
+        job.workers.fail_at_bucket = 2  # (the stand-in fails the first update it is told to)
+        code, doc, err = push(job.sock, path=b)
+        assert code == 1, err
+        assert "injected failure" in doc["error"], doc["error"]
+        assert doc["server_weights"] == "whole" and doc["restore"]["ok"] is True, doc
+        assert job.workers.digests == file_digests(a)  # every tensor of `a` again
+        now = status(job.sock)
+        assert now["weights"]["seq"] == 1 and now["server_weights"] == "whole", now
+        assert now["staged"] is None and now["pinned_pool_bytes"] == one_share, now
+
+        code, doc, err = push(job.sock, path=b)
+        assert code == 0, err
+        assert not any(r["staged"] for r in doc["ranks"])
+        assert job.workers.digests == file_digests(b)
