@@ -360,7 +360,7 @@ def wait_for_server(
                 prober.close()
             if not result.ready:
                 what = (
-                    f"{address.describe()} did not answer within {flag} ({limit:g}s, "
+                    f"{address.describe()} did not answer within {flag} ({limit:.1f}s, "
                     f"{result.attempts} attempts, last: {result.last_status})"
                 )
                 if limit_s is not None and limit_s < remaining:
