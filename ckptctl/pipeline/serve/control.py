@@ -277,15 +277,16 @@ class ControlServer:
         return self
 
     def close(self) -> None:
-        """Stop accepting and remove the socket - only if it is still the one we made."""
+        """Remove the socket - only if it is still the one we made - and stop accepting (in
+        that order: a client refused by the job finds no socket file left behind)."""
         self._closed.set()
-        self._thread.join(timeout=2)
-        with contextlib.suppress(OSError):
-            self._sock.close()
         with contextlib.suppress(OSError):
             st = os.lstat(self.path)
             if (st.st_dev, st.st_ino) == self._identity:
                 os.unlink(self.path)
+        self._thread.join(timeout=2)
+        with contextlib.suppress(OSError):
+            self._sock.close()
 
     def _accept_loop(self) -> None:
         self._sock.settimeout(0.2)

@@ -465,7 +465,7 @@ class ServeLoop:
     def run(self) -> str:
         """Run every command, in order, until a stop; returns why it stopped."""
         job = self.job
-        job.watchdog.on_signal = self._on_signal
+        job.watchdog.on_signal = self._on_signal  # (serve_loop set it already)
         job.watchdog.deadline = float("inf")  # serving is not bounded; each push is
         if self.metrics is not None:
             self.metrics.idle()
@@ -673,6 +673,9 @@ def serve_loop(
             restore=restore,
             metrics=metrics,
         )
+        # A SIGTERM from here on stops the job cleanly, also one that comes while the ranks
+        # meet below: rank 0 opens the control socket when a rank may not run the loop yet.
+        job.watchdog.on_signal = loop._on_signal
         # Every rank is in the group: learn where each one runs (status names rank 0's host).
         hosts = channel.gather({"host": socket.gethostname()}, TICK_TIMEOUT_S)
         loop.status.hosts = [d["host"] for d in hosts]
@@ -682,6 +685,7 @@ def serve_loop(
             job.reporter.log(f"serving: control socket {path}")
         return loop.run()
     finally:
+        job.watchdog.on_signal = None
         if server is not None:
             server.close()
         channel.close()
