@@ -136,8 +136,10 @@ def test_a_push_cancelled_while_it_waits_is_logged_as_cancelled(short_tmp: Path)
     import threading
 
     sock = str(short_tmp / "serve.sock")
+    release = threading.Event()  # the server holds the first push's update until then
+    held = Behaviour(on_update=lambda handles, body: release.wait(60))
     with (
-        FakeServer(Behaviour(update_delay_s=3)) as s,
+        FakeServer(held) as s,
         cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
     ):
         assert wait_for_path(sock)
@@ -159,6 +161,7 @@ def test_a_push_cancelled_while_it_waits_is_logged_as_cancelled(short_tmp: Path)
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert client.cancel("waiting", control_socket=sock)["cancel"] == "cancelled"
+        release.set()
         for t in threads:
             t.join(timeout=120)
         assert answers["slow"]["ok"] and answers["waiting"]["exit_code"] == 130
