@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from typing import NamedTuple
 
 _KINDS = (
@@ -89,3 +90,29 @@ def read_regular(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
     if len(data) > st.st_size:
         raise UnfitFile("changed size while being read; retry when nothing is writing it")
     return data
+
+
+def why_not_replace(
+    path: str, is_ours: Callable[[bytes], bool], what: str, head: int = 64
+) -> str | None:
+    """Why the file at `path` may not be replaced by `what` ("a trace") that ckptctl writes;
+    None when nothing is there, or when it is a regular file of this user whose first `head`
+    bytes `is_ours` takes for one ckptctl wrote before. Anything else is the user's and stays
+    as it is; a symlink there is refused, never followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return "a symlink" if os.path.islink(path) else f"cannot be read ({exc.strerror})"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return "exists and is not a regular file"
+        if info.st_uid != os.geteuid():
+            return "a file of another user"
+        if not is_ours(os.read(fd, head)):
+            return f"exists and is not {what} ckptctl wrote"
+    finally:
+        os.close(fd)
+    return None

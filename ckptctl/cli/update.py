@@ -206,6 +206,10 @@ def update_command(
     if dry_run:
         if trace is not None:
             raise UsageError("--trace goes with an update, not --dry-run")
+        if save_metas_file is not None:  # (where the update would write it, checked now)
+            from ckptctl.metas.fileformat import check_target
+
+            check_target(save_metas_file, "--save-metas-file")
         world_given = world_size is not None or launch.under_torchrun
         plan_dry_run(out, launch, request, world, nproc_per_node)
         if not world_given:

@@ -33,7 +33,6 @@ import contextlib
 import itertools
 import json
 import os
-import stat
 import tempfile
 import threading
 import time
@@ -177,23 +176,9 @@ def check_path(path: str | os.PathLike[str], what: str = "--trace") -> str:
 
 def _not_a_trace(path: str) -> str | None:
     """Why the file at `path` may not be replaced; None when there is none or it is a trace."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return "a symlink" if os.path.islink(path) else f"cannot be read ({exc.strerror})"
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return "exists and is not a regular file"
-        if info.st_uid != os.geteuid():
-            return "a file of another user"
-        if os.read(fd, len(MAGIC)) != MAGIC:
-            return "exists and is not a trace ckptctl wrote"
-    finally:
-        os.close(fd)
-    return None
+    from ckptctl.regular_files import why_not_replace
+
+    return why_not_replace(path, lambda head: head.startswith(MAGIC), "a trace")
 
 
 def write(path: str, events: list[dict[str, Any]], what: str = "--trace") -> int:

@@ -100,6 +100,12 @@ class Transfer:
 
     def run(self) -> Transfer:
         job, req, assignment = self.job, self.request, self.assignment
+        if self.save_metas_file and job.launch.rank == 0:  # (rank 0 writes it)
+            from ckptctl.metas.fileformat import check_target
+
+            # Refused before anything is read: a file there that is not a metas file is the
+            # user's, never replaced.
+            check_target(self.save_metas_file, "the metas file")
         reader: ShareReader | None = None
         if self.metas is None:
             assert req.checkpoint_path is not None

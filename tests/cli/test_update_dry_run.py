@@ -226,12 +226,22 @@ def test_update_without_a_gpu_fails_early_and_clearly(
     assert "Traceback" not in result.stderr
 
 
-def test_seed_flags_are_accepted() -> None:
+def test_a_dry_run_refuses_a_metas_file_path_that_holds_the_users_file(tmp_path: Path) -> None:
+    mine = tmp_path / "README.md"
+    mine.write_text("mine")
+    result = invoke(*dry_run("--checkpoint-path", str(TINY), "--save-metas-file", str(mine)))
+    assert result.exit_code == 2, result.stderr
+    assert "exists and is not a metas file ckptctl wrote" in result.stderr
+    assert mine.read_text() == "mine"
+
+
+def test_seed_flags_are_accepted(tmp_path: Path) -> None:
+    metas = str(tmp_path / "m.json")
     result = invoke(
         *dry_run("--checkpoint-path", str(TINY), "--json", "--world-size", "2"),
         *("--endpoint", "http://localhost:1", "--inference-parallel-size", "2"),
         *("--checkpoint-name", "iter-7", "--update-method", "p2p", "--uds", "/tmp/x.sock"),
-        *("--weight-version", "v7", "--sleep-time", "3", "--save-metas-file", "/tmp/m.json"),
+        *("--weight-version", "v7", "--sleep-time", "3", "--save-metas-file", metas),
         *("--timeout", "30", "-q"),
     )
     assert result.exit_code == 0, result.stderr

@@ -20,7 +20,7 @@ from metas_samples import (
 )
 
 from ckptctl import __version__
-from ckptctl.errors import InvalidInput, OperationFailed
+from ckptctl.errors import InvalidInput, OperationFailed, UsageError
 from ckptctl.metas import fileformat, read_metas_file, write_metas_file
 
 
@@ -79,6 +79,30 @@ def test_write_is_atomic_and_replaces(tmp_path: Path, written: Path) -> None:
     assert read_metas_file(written).checkpoint_name == "second"
     assert written.read_bytes() != old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metas.json"]  # no temp files left
+
+
+def test_a_file_there_that_is_not_a_metas_file_is_never_replaced(tmp_path: Path) -> None:
+    """The path of a metas file may name the user's own file (a typo, a planted symlink):
+    only a new file, a metas file of ours or a pickle (the seed script's metas) is replaced."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    link = tmp_path / "link.json"
+    link.symlink_to(mine)
+    for path, why in ((mine, "is not a metas file ckptctl wrote"), (link, "a symlink")):
+        with pytest.raises(OperationFailed, match=why):
+            write_metas_file(path, {}, checkpoint_name="x", world_size=1)
+    assert mine.read_text() == "mine" and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "notes.txt"]
+
+    seeds = tmp_path / "seed.pkl"  # what the seed script's --save-metas-file wrote
+    seeds.write_bytes(b"\x80\x04\x95" + b"\x00" * 16)
+    write_metas_file(seeds, {}, checkpoint_name="x", world_size=1)
+    assert read_metas_file(seeds).checkpoint_name == "x"
+    assert fileformat.check_target(seeds, "--save-metas-file") == str(seeds)
+    with pytest.raises(UsageError, match=r"^--save-metas-file .*notes.txt: exists and is not"):
+        fileformat.check_target(mine, "--save-metas-file")
+    with pytest.raises(UsageError, match="no directory"):
+        fileformat.check_target(tmp_path / "no" / "m.json", "--save-metas-file")
 
 
 def test_file_mode_follows_umask(tmp_path: Path) -> None:
