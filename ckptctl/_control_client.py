@@ -14,7 +14,7 @@ import socket
 import stat
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ class Names:
     """How a client's messages name its knobs: Python arguments (ckptctl.client), or the
     CLI's flags."""
 
-    wait: str = "wait=SECONDS"
+    wait: str = "wait=SECONDS"  # "": the command has no wait for a job to offer
     timeout: str = "timeout="
     endpoint: str = "endpoint=URL"
     control_socket: str = "control_socket=PATH"
@@ -56,10 +56,7 @@ def check_client_socket(path: str, names: Names = ARGUMENTS) -> None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise NotAnswering(
-            f"no serve job answers on {path}: start one with `torchrun ... ckptctl serve` "
-            f"(or wait for it with {names.wait})"
-        ) from None
+        raise NotAnswering(f"no serve job answers on {path}: {_start_one(names)}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise OperationFailed(f"{path} is not a socket: not a serve job's control socket")
     if st.st_uid != os.getuid():
@@ -197,13 +194,18 @@ def choose_socket(wanted: Sequence[str], tmp_root: str = "/tmp", names: Names = 
     if not live:
         raise NotAnswering(
             f"no serve job of yours answers on this node{which} (looked in "
-            f"{', '.join(str(d) for d in socket_dirs(tmp_root))}): start one with "
-            f"`torchrun ... ckptctl serve`, or wait for it with {names.wait}"
+            f"{', '.join(str(d) for d in socket_dirs(tmp_root))}): {_start_one(names)}"
         )
     raise UsageError(
         f"{len(live)} serve jobs answer on this node{which}: pick one with {names.endpoint} or "
         f"{names.control_socket} ({'; '.join(live)})"
     )
+
+
+def _start_one(names: Names) -> str:
+    """What to do when no job answers: the wait only where the command has one to give."""
+    start = "start one with `torchrun ... ckptctl serve`"
+    return f"{start}, or wait for it with {names.wait}" if names.wait else start
 
 
 def resolve_socket(
@@ -216,6 +218,8 @@ def resolve_socket(
     """The control socket to talk to, waiting up to `wait_s` for a serve job to answer on it
     (`serve &` then `push --wait 600`: the socket appears once every rank is up)."""
     deadline = time.monotonic() + max(wait_s, 0.0)
+    if wait_s > 0:  # (it was given: the error says how long it waited instead)
+        names = replace(names, wait="")
     while True:
         try:
             if explicit:

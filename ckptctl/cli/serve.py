@@ -273,7 +273,7 @@ def rollback_command(
     run_command(
         client.rollback,
         Output(json_mode=json_output, quiet=quiet),
-        JobAddress(control_socket, endpoint, uds, 0.0),
+        JobAddress(control_socket, endpoint, uds, None),
         timeout,
     )
 
@@ -285,21 +285,23 @@ class JobAddress:
     control_socket: str | None
     endpoint: list[str] | None
     uds: list[str] | None
-    wait: float
+    wait: float | None  # None: the command has no --wait (rollback)
 
 
 def run_command(send: Any, out: Output, job: JobAddress, timeout: float) -> None:
     """Find the job, send it a push, stage or rollback (`send`: ckptctl.client's, its own
     arguments bound) with a push id of its own, show its progress while it runs, cancel it on
     Ctrl-C, then report its answer (stdout: the result)."""
+    import dataclasses
     import secrets
 
     from ckptctl import client
     from ckptctl._control_client import FLAGS
     from ckptctl.errors import Interrupted
 
+    names = FLAGS if job.wait is not None else dataclasses.replace(FLAGS, wait="")
     path = client.find_job(
-        job.control_socket, job.endpoint or (), job.uds or (), job.wait, names=FLAGS
+        job.control_socket, job.endpoint or (), job.uds or (), job.wait or 0.0, names=names
     )
     push_id = secrets.token_hex(8)
     progress = PushProgress(out)

@@ -85,6 +85,21 @@ def test_push_without_a_serve_job_says_so(short_tmp: Path) -> None:
         "push", "--control-socket", str(short_tmp / "none.sock"), "--checkpoint-path", str(TINY)
     )
     assert r.returncode == 1 and "no serve job answers" in r.stderr
+    assert "or wait for it with --wait SECONDS" in r.stderr  # (push has one)
+
+
+def test_commands_without_a_wait_for_the_job_offer_none(short_tmp: Path) -> None:
+    """rollback has no --wait, stop's waits for the job to end, and a --wait given ran out:
+    none of them suggests waiting with --wait."""
+    sock = str(short_tmp / "none.sock")
+    for args, code in (
+        (["rollback"], 1),
+        (["stop", "--wait", "5"], 1),
+        (["status", "--wait", "0.5"], 4),
+    ):
+        r = run_script(*args, "--control-socket", sock)
+        assert r.returncode == code and "no serve job answers" in r.stderr, (args, r.stderr)
+        assert "--wait" not in r.stderr, (args, r.stderr)
 
 
 def _job(
