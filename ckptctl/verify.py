@@ -209,8 +209,8 @@ def plan_verification(offers: Sequence[tuple[str, Sequence[str]]], *, round_trip
         raise InvalidInput(
             f"--verify: {offers[0][0]} offers only per-engine checksums (SGLang's 'checksum'; "
             "'compare_checksum' is in no release), and this job feeds one server: there is no "
-            "other server to compare them with. Feed two or more servers, use "
-            f"--verify-round-trip, or drop --verify; {nothing}"
+            "other server to compare them with. Feed two or more servers, or drop --verify "
+            f"(`update --verify-round-trip` proves one server's by a round trip); {nothing}"
         )
     return "per-engine"
 
