@@ -7,6 +7,8 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli._options import (
+    FLAG,
+    OUTPUT,
     SERVER,
     ApiKeyOpt,
     EndpointsOpt,
@@ -36,6 +38,16 @@ def doctor_command(
         ),
     ] = 10,
     json_output: JsonOpt = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            metavar=FLAG,
+            rich_help_panel=OUTPUT,
+            help="Only the checks that warn or fail, with their fixes (none: no output).",
+        ),
+    ] = False,
     show_help: HelpOpt = False,
 ) -> None:
     """Check what a first run needs (CUDA, the GPUs, checkpoint-engine, torchrun, limits,
@@ -64,13 +76,15 @@ def doctor_command(
     else:
         column = max(len(c.name) for c in report.checks) + 2
         for check in report.checks:
+            if quiet and check.status == "ok":
+                continue
             line = Text()
             line.append(f"{check.status:<6}", style=STYLES[check.status])
             line.append(f"{check.name:<{column}}{redact(check.detail)}")
             if check.fix:
                 line.append(f"\n{'':<6}{'':<{column}}fix: {redact(check.fix)}")
             out.show(line)
-        if not report.failed:
+        if not report.failed and not quiet:
             out.show(report.summary())
     if report.failed:
         raise OperationFailed(report.summary())

@@ -88,6 +88,17 @@ def test_without_cuda_the_cuda_check_fails_with_its_fix_and_exit_1() -> None:
     assert ce.split()[:3] == ["ok", "checkpoint-engine", ce_internals.installed_version()]
 
 
+@pytest.mark.no_cuda
+def test_quiet_shows_only_what_warns_or_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    code = run(["doctor", "-q"])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    checks = [line.split() for line in out.splitlines() if not line.startswith(" ")]
+    assert ["fail", "cuda"] in [c[:2] for c in checks]  # (no CUDA here)
+    assert checks and all(c[0] in ("warn", "fail") for c in checks), out
+    assert "1 needed check failed (cuda)" in err
+
+
 def _lower_open_files() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
