@@ -504,6 +504,10 @@ def test_endpoint_from_the_environment(
         monkeypatch.setenv("CKPTCTL_ENDPOINT", s.endpoint)
         code, out, _ = cli(capsys, "wait-ready", "--json", "--timeout", "20")
     assert code == 0 and one_document(out)["ready"] is True
+    # The list that update takes, where one server goes: said so, naming the variable.
+    monkeypatch.setenv("CKPTCTL_ENDPOINT", "http://127.0.0.1:31001 http://127.0.0.1:31002")
+    code, _, err = cli(capsys, "wait-ready", "--timeout", "1")
+    assert code == 2 and "(from CKPTCTL_ENDPOINT) is 2 URLs where one server goes" in err, err
 
 
 def test_zsh_completion_starts_with_compdef() -> None:
