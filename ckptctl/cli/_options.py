@@ -182,7 +182,7 @@ def _timeout(low: float, panel: str, help: str) -> Any:
     return _opt("--timeout", metavar="SECONDS", callback=at_least(low), panel=panel, help=help)
 
 
-TimeoutOpt = Annotated[float, _timeout(0, TRANSFER, "Give up after this many seconds (exit 4).")]
+TimeoutOpt = Annotated[float, _timeout(1, TRANSFER, "Give up after this many seconds (exit 4).")]
 # push and rollback: how long the command waits for the job's answer.
 AnswerTimeoutOpt = Annotated[
     float,

@@ -484,6 +484,17 @@ def test_sleep_time_is_seconds_as_a_number_in_update_and_save_metas(
         assert code == 2 and "--sleep-time must be at least 0" in err
 
 
+def test_a_timeout_that_leaves_no_time_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """--timeout 0 was taken, and every job then timed out in its first stage (exit 4)."""
+    for args in (
+        dry("--timeout", "0"),
+        ["save-metas", "--checkpoint-path", ".", "--metas-file", "m.json", "--timeout", "0.5"],
+        ["join", "--load-metas-file", "m.json", "--timeout", "0"],
+    ):
+        code, _, err = cli(capsys, *args)
+        assert code == 2 and "--timeout must be at least 1" in err, (args, err)
+
+
 def test_endpoint_from_the_environment(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
