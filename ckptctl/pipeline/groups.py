@@ -43,6 +43,13 @@ def assign_group(
     """The group of `rank` and, for a leader, the server it talks to."""
     if parallel_size < 1:
         raise UsageError("--inference-parallel-size must be at least 1")
+    if world_size == 1 and parallel_size > 1:  # (run without torchrun, most likely)
+        raise UsageError(
+            f"--inference-parallel-size {parallel_size} needs {parallel_size} ranks, one per GPU "
+            "of the server, and this job has one (no torchrun, or --nproc-per-node 1): pass "
+            "--inference-parallel-size 1 for a server on one GPU, or launch with torchrun "
+            f"--nproc-per-node {parallel_size}"
+        )
     if parallel_size > world_size or world_size % parallel_size:
         raise UsageError(
             f"--inference-parallel-size {parallel_size} does not divide the world size "

@@ -192,7 +192,11 @@ def test_bad_flags_are_usage_errors() -> None:
     ("extra", "code", "words"),
     [
         # one process is a world of 1: a TP8 group cannot be formed
-        ([], 2, "--inference-parallel-size 8 does not divide the world size 1"),
+        (
+            [],
+            2,
+            "--inference-parallel-size 8 needs 8 ranks, one per GPU of the server, and this job has one",
+        ),
         (
             ["--inference-parallel-size", "1", "--world-size", "2"],
             2,
