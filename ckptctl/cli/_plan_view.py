@@ -88,9 +88,9 @@ def idle_reason(plan: Plan) -> str:
     if len(sizes) < plan.world_size:
         return f"the checkpoint has fewer {unit}s ({len(sizes)}) than ranks ({plan.world_size})"
     return (
-        f"its largest {unit} ({format_bytes(max(sizes))}) is more than an even share "
-        f"({format_bytes(int(plan.even_bytes))}), so no rank can be smaller than that one, and "
-        "the rest fit on fewer ranks"
+        f"the checkpoint's largest {unit} ({format_bytes(max(sizes))}) is more than an even "
+        f"share ({format_bytes(int(plan.even_bytes))}): the rank that holds it is the longest "
+        "whatever the split, and the rest fit on fewer ranks"
     )
 
 

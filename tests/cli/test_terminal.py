@@ -131,7 +131,7 @@ def test_the_first_dry_run_on_a_terminal_plans_one_server_group() -> None:
     assert "over 8 rank(s)" in out and max(len(line) for line in tables) <= 80
     flat = " ".join(err.split())  # (the terminal wraps long lines)
     assert "dry run: planned one server group of 8 rank(s) (--inference-parallel-size 8)" in flat
-    assert "fewer tensors than ranks" not in flat and "its largest tensor" in flat
+    assert "fewer tensors than ranks" not in flat and "the checkpoint's largest tensor" in flat
 
 
 def test_wait_ready_on_a_terminal_says_what_it_waited_for() -> None:

@@ -166,13 +166,13 @@ def test_idle_ranks_name_their_cause(tmp_path: Path) -> None:
     human = invoke(*args)
     assert human.exit_code == 0, human.stderr
     assert "fewer tensors than ranks" not in human.stderr
-    assert "rank(s) get no tensors: its largest tensor (4.19 MB)" in human.stderr
+    assert "rank(s) get no tensors: the checkpoint's largest tensor (4.19 MB)" in human.stderr
     doc = json.loads(invoke(*args, "--json").stdout)
     idle = sum(1 for r in doc["ranks"] if not r["tensors"])
     assert idle and doc["warnings"] == [
-        f"{idle} rank(s) get no tensors: its largest tensor (4.19 MB) is more than an even "
-        "share (2.10 MB), so no rank can be smaller than that one, and the rest fit on fewer "
-        "ranks"
+        f"{idle} rank(s) get no tensors: the checkpoint's largest tensor (4.19 MB) is more "
+        "than an even share (2.10 MB): the rank that holds it is the longest whatever the "
+        "split, and the rest fit on fewer ranks"
     ]
     # Fewer tensors than ranks is still said so.
     few_args = dry_run("--checkpoint-path", str(tmp_path), "--world-size", "16", "--json")
