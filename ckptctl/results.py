@@ -40,6 +40,11 @@ def expect(stream: TextIO | None) -> None:
     _kept.clear()
 
 
+def expected() -> bool:
+    """A command said where its result goes (it may have gone out already)."""
+    return _stream is not None
+
+
 def owed() -> bool:
     """A document is owed on stdout and none went out yet."""
     return _stream is not None and not _written

@@ -17,16 +17,34 @@ _FROM_APP = ("app", "COMMANDS", "ALIASES", "reflowed")
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (`ckptctl`, `python -m ckptctl`, `torchrun -m ckptctl`)."""
-    from ckptctl.cli._errors import install_signal_handlers, restore_default_signal_handlers
-
-    install_signal_handlers()
+    args = sys.argv[1:] if argv is None else argv
     try:
-        code = run(sys.argv[1:] if argv is None else argv)
-    finally:
-        # The command is over: a late signal (torchrun tearing down) just ends the process,
-        # rather than raising into interpreter shutdown.
-        restore_default_signal_handlers()
+        from ckptctl.cli._errors import install_signal_handlers, restore_default_signal_handlers
+
+        install_signal_handlers()
+        try:
+            code = run(args)
+        finally:
+            # The command is over: a late signal (torchrun tearing down) just ends the process,
+            # rather than raising into interpreter shutdown.
+            restore_default_signal_handlers()
+    except KeyboardInterrupt:  # Ctrl-C while the CLI was still importing: no command to catch it
+        code = _interrupted_early(args)
     sys.exit(code)
+
+
+def _interrupted_early(args: list[str]) -> int:
+    """Exit 130 with one line (and with --json its document, as a usage error has one)."""
+    from ckptctl import results
+    from ckptctl.errors import ExitCode, print_error
+    from ckptctl.launch import launch_info
+
+    print_error("interrupted")
+    if "--json" in args and launch_info().is_primary:
+        if not results.expected():  # (no command had started to owe one)
+            results.expect(sys.stdout)
+        results.write_failure(int(ExitCode.INTERRUPTED), "interrupted")
+    return int(ExitCode.INTERRUPTED)
 
 
 def run(args: list[str]) -> int:

@@ -203,3 +203,21 @@ def test_completion_for_an_unknown_shell_is_a_usage_error(tmp_path: Path) -> Non
             f"error: {option} takes one of bash, zsh, fish, not 'powershell' (see ckptctl --help)"
         ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_before_a_command_starts_is_one_line_and_exit_130() -> None:
+    """A real SIGINT while the CLI still imports its commands (here: at the start of `run`),
+    before any command can catch it: was a KeyboardInterrupt traceback."""
+    program = (
+        "import os, signal, time\n"
+        "import ckptctl.cli as cli\n"
+        "def run(args):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(30)\n"
+        "cli.run = run\n"
+        "cli.main(['doctor', '--json'])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130, r.stderr
+    assert r.stderr == "error: interrupted\n", r.stderr
+    assert json.loads(r.stdout) == {"ok": False, "exit_code": 130, "error": "interrupted"}
