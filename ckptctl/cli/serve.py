@@ -537,6 +537,9 @@ def _ago(stamp: str | None) -> str:
 
 def describe_status(doc: dict[str, Any], path: str) -> list[str]:
     """The human view of `status`: the job, the server's weights, the last push."""
+    from ckptctl.pipeline.serve.state import outcome
+    from ckptctl.progress import format_bytes
+
     rank = doc.get("rank", 0)
     lines = [
         f"serve job: {doc.get('state')}, {doc.get('world_size')} rank(s), "
@@ -587,12 +590,15 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
             size = last.get("total_bytes") or 0
             secs = float(last.get("wall_s") or last.get("seconds") or 0)
             moved = size and secs > 0 and last.get("action") != "stage"  # (a stage only plans)
-            rate = f", {size / secs / 1e9:.2f} GB/s" if moved else ""
+            rate = f", {format_bytes(size / secs)}/s" if moved else ""
             lines.append(
-                f"{head}: ok in {secs:.2f}s ({size / 1e9:.2f} GB{rate}), at {_ago(last.get('finished_at'))}"
+                f"{head}: ok in {secs:.2f}s ({format_bytes(size)}{rate}), "
+                f"at {_ago(last.get('finished_at'))}"
             )
         else:
-            lines.append(f"{head}: failed (exit {last.get('exit_code')}): {last.get('error')}")
+            how = outcome(last)  # (as --history says it: cancelled, refused before sending...)
+            how = "failed, restored" if how == "restored" else how
+            lines.append(f"{head}: {how} (exit {last.get('exit_code')}): {last.get('error')}")
     staged = doc.get("staged")
     if staged:
         read = (
@@ -600,7 +606,8 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
             if staged.get("error")
             else "read"
             if staged.get("read")
-            else f"{staged.get('bytes_read', 0) / 1e9:.2f} of {staged.get('share_bytes', 0) / 1e9:.2f} GB read"
+            else f"{format_bytes(staged.get('bytes_read', 0))} of "
+            f"{format_bytes(staged.get('share_bytes', 0))} read"
         )
         lines.append(
             f"staged for the next push: {staged.get('checkpoint_path')} (stage "
