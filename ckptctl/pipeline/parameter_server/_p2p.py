@@ -39,7 +39,7 @@ def p2p_missing() -> str | None:
     except (ImportError, ValueError):
         found = False
     if not found:
-        return "mooncake is not installed (pip install 'checkpoint-engine[p2p]')"
+        return "mooncake is not installed (pip install 'ckptctl[p2p]': checkpoint-engine[p2p])"
     if not (
         glob.glob("/sys/class/infiniband/*")
         or os.environ.get("PS_P2P_STORE_RDMA_DEVICES")
