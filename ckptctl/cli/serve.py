@@ -361,7 +361,7 @@ def _cancel(out: Output, path: str, push_id: str) -> dict[str, Any]:
         while time.monotonic() < deadline:
             last = client.status(control_socket=path).get("last") or {}
             if last.get("push_id") == push_id:  # its answer: cancelled, or over before that
-                return dict(last)
+                return _says_the_weights(dict(last))
             time.sleep(0.2)
     except CkptctlError as exc:
         reason = f" ({exc})"
@@ -373,6 +373,15 @@ def _cancel(out: Output, path: str, push_id: str) -> dict[str, Any]:
 
 
 CANCEL_WAIT_S = 20.0  # a cancelled push's transfer ends, then the server is restored
+
+
+def _says_the_weights(answer: dict[str, Any]) -> dict[str, Any]:
+    """A push cancelled before any bucket reached the server (server_weights null) says that
+    the server kept its weights; one cancelled later says so already (restored, or partial)."""
+    error = str(answer.get("error") or "")
+    if not answer.get("ok") and answer.get("server_weights") is None and "weights" not in error:
+        answer["error"] = f"{error}; the server's weights are unchanged"
+    return answer
 
 
 class PushProgress:

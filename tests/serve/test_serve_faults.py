@@ -267,6 +267,29 @@ def test_ctrl_c_on_push_cancels_it_and_the_server_is_restored(short_tmp: Path) -
         stop(job, sock)
 
 
+def test_ctrl_c_on_a_push_before_it_sent_anything_says_the_weights_are_unchanged(
+    short_tmp: Path,
+) -> None:
+    with serve_job(short_tmp, "--server-wait", "120") as (site, job, sock):
+        assert push(sock)[0] == 0
+        site.die()  # the push waits for the server: nothing of it reaches the server
+        running = push_in_background(sock)
+        wait_until(
+            lambda: (status(sock).get("running") or {}).get("stage") == "wait_server",
+            what="the push to wait for the server",
+        )
+        running.send_signal(signal.SIGINT)
+        out, err = running.communicate(timeout=60)
+        assert running.returncode == 130, err
+        doc = json.loads(out)
+        assert doc["server_weights"] is None, doc
+        assert doc["error"].startswith("cancelled by its client"), doc["error"]
+        assert doc["error"].endswith("; the server's weights are unchanged"), doc["error"]
+        assert "the server's weights are unchanged" in err
+        site.come_back()
+        stop(job, sock)
+
+
 def test_rollback_pushes_the_previous_whole_checkpoint_unless_it_changed(
     short_tmp: Path, tmp_path: Path
 ) -> None:
