@@ -577,7 +577,13 @@ def main() -> None:
     server = FakeServer(
         Behaviour(profile=args.profile, mode=args.mode), uds=args.uds, port=args.port
     )
-    server.start()
+    try:
+        server.start()
+    except OSError as exc:  # (the README's walkthrough: say what to do, not a traceback)
+        where = args.uds or f"port {args.port}"
+        raise SystemExit(
+            f"fake_server: cannot listen on {where}: {exc.strerror}; pick another --port"
+        ) from None
     print(f"listening on {server.endpoint}", flush=True)
     try:
         while True:
