@@ -96,8 +96,8 @@ def why_not_replace(
     path: str, is_ours: Callable[[bytes], bool], what: str, head: int = 64
 ) -> str | None:
     """Why the file at `path` may not be replaced by `what` ("a trace") that ckptctl writes;
-    None when nothing is there, or when it is a regular file of this user whose first `head`
-    bytes `is_ours` takes for one ckptctl wrote before. Anything else is the user's and stays
+    None when nothing is there, or when it is a regular file of this user that is empty (from
+    mktemp, say) or whose first `head` bytes `is_ours` takes for one ckptctl wrote before. Anything else is the user's and stays
     as it is; a symlink there is refused, never followed."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -111,7 +111,7 @@ def why_not_replace(
             return "exists and is not a regular file"
         if info.st_uid != os.geteuid():
             return "a file of another user"
-        if not is_ours(os.read(fd, head)):
+        if info.st_size and not is_ours(os.read(fd, head)):  # (an empty file holds nothing)
             return f"exists and is not {what} ckptctl wrote"
     finally:
         os.close(fd)

@@ -206,7 +206,7 @@ def update_command(
     if dry_run:
         if trace is not None:
             raise UsageError("--trace goes with an update, not --dry-run")
-        if save_metas_file is not None:  # (where the update would write it, checked now)
+        if save_metas_file is not None and launch.rank == 0:  # (rank 0 writes it)
             from ckptctl.metas.fileformat import check_target
 
             check_target(save_metas_file, "--save-metas-file")

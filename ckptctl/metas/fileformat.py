@@ -126,7 +126,9 @@ def write_metas_file(
     except InvalidInput as exc:
         raise ValueError(str(exc)) from None
     # (Checked when the job started, and again here: a file put there since is the user's.)
-    problem = why_not_replace(os.path.abspath(path), _is_a_metas_file, "a metas file")
+    problem = why_not_replace(
+        os.path.abspath(path), _is_a_metas_file, "a metas file", head=METAS_HEAD
+    )
     if problem:
         raise OperationFailed(f"cannot write metas file {path}: {problem}; name a new file")
     _atomic_write(Path(path), _render(doc).encode("ascii"))
@@ -141,16 +143,21 @@ def check_target(path: str | os.PathLike[str], flag: str) -> str:
     where = os.path.dirname(full)
     if not os.path.isdir(where):
         raise UsageError(f"{flag} {path}: no directory {where}")
-    problem = why_not_replace(full, _is_a_metas_file, "a metas file")
+    problem = why_not_replace(full, _is_a_metas_file, "a metas file", head=METAS_HEAD)
     if problem:
         raise UsageError(f"{flag} {path}: {problem}; name a new file (or a metas file)")
     return full
 
 
+METAS_HEAD = 256  # bytes read to tell a metas file (a pickle names its first class early)
+
+
 def _is_a_metas_file(head: bytes) -> bool:
-    if head.startswith(b"\x80"):  # a pickle (protocol 2 and later): the seed script's metas
-        return True
-    return head.lstrip().startswith(b"{") and f'"{FORMAT_NAME}"'.encode() in head
+    """ckptctl's JSON, or the seed script's pickle of checkpoint-engine's metas (any protocol:
+    its first class is checkpoint-engine's), never any other pickle (an optimizer's state)."""
+    if head.lstrip().startswith(b"{"):
+        return f'"{FORMAT_NAME}"'.encode() in head
+    return b"checkpoint_engine" in head
 
 
 def _render(doc: dict[str, Any]) -> str:

@@ -237,6 +237,13 @@ def test_a_dry_run_refuses_a_metas_file_path_that_holds_the_users_file(tmp_path:
     assert result.exit_code == 2, result.stderr
     assert "exists and is not a metas file ckptctl wrote" in result.stderr
     assert mine.read_text() == "mine"
+    # Rank 0 writes it: another node's rank need not have its folder.
+    elsewhere = dry_run(
+        "--checkpoint-path", str(TINY), "--save-metas-file", "/nonexistent/m.json", tp=2
+    )
+    rank_1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert invoke(*elsewhere, env=rank_1).exit_code == 0
+    assert invoke(*elsewhere).exit_code == 2
 
 
 def test_seed_flags_are_accepted(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -94,11 +95,26 @@ def test_a_file_there_that_is_not_a_metas_file_is_never_replaced(tmp_path: Path)
     assert mine.read_text() == "mine" and link.is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "notes.txt"]
 
-    seeds = tmp_path / "seed.pkl"  # what the seed script's --save-metas-file wrote
-    seeds.write_bytes(b"\x80\x04\x95" + b"\x00" * 16)
-    write_metas_file(seeds, {}, checkpoint_name="x", world_size=1)
-    assert read_metas_file(seeds).checkpoint_name == "x"
-    assert fileformat.check_target(seeds, "--save-metas-file") == str(seeds)
+    # Another pickle (an optimizer's state) is the user's too.
+    state = tmp_path / "optimizer.pkl"
+    state.write_bytes(pickle.dumps({"lr": [0.1], "step": 7}))
+    with pytest.raises(OperationFailed, match="is not a metas file"):
+        write_metas_file(state, {}, checkpoint_name="x", world_size=1)
+    assert pickle.loads(state.read_bytes()) == {"lr": [0.1], "step": 7}
+
+    # What the seed script's --save-metas-file wrote (a pickle of checkpoint-engine's metas,
+    # in any protocol) and an empty file (mktemp's) are replaced.
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        seeds = tmp_path / f"seed-{protocol}.pkl"
+        seeds.write_bytes(pickle.dumps(small_metas(), protocol=protocol))
+        assert fileformat.check_target(seeds, "--save-metas-file") == str(seeds)
+        write_metas_file(seeds, {}, checkpoint_name="x", world_size=1)
+        assert read_metas_file(seeds).checkpoint_name == "x"
+        seeds.unlink()
+    empty = tmp_path / "empty"
+    empty.touch()
+    write_metas_file(empty, {}, checkpoint_name="x", world_size=1)
+    assert read_metas_file(empty).checkpoint_name == "x"
     with pytest.raises(UsageError, match=r"^--save-metas-file .*notes.txt: exists and is not"):
         fileformat.check_target(mine, "--save-metas-file")
     with pytest.raises(UsageError, match="no directory"):
