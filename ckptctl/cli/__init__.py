@@ -18,6 +18,7 @@ _FROM_APP = ("app", "COMMANDS", "ALIASES", "reflowed")
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (`ckptctl`, `python -m ckptctl`, `torchrun -m ckptctl`)."""
     args = sys.argv[1:] if argv is None else argv
+    code: int | None = None
     try:
         from ckptctl.cli._errors import install_signal_handlers, restore_default_signal_handlers
 
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
             # rather than raising into interpreter shutdown.
             restore_default_signal_handlers()
     except KeyboardInterrupt:  # Ctrl-C while the CLI was still importing: no command to catch it
-        code = _interrupted_early(args)
+        if code is None:  # (one a moment after the command ended keeps the command's code)
+            code = _interrupted_early(args)
     sys.exit(code)
 
 

@@ -221,3 +221,19 @@ def test_ctrl_c_before_a_command_starts_is_one_line_and_exit_130() -> None:
     assert r.returncode == 130, r.stderr
     assert r.stderr == "error: interrupted\n", r.stderr
     assert json.loads(r.stdout) == {"ok": False, "exit_code": 130, "error": "interrupted"}
+
+
+def test_ctrl_c_just_after_a_command_ended_keeps_its_exit_code() -> None:
+    program = (
+        "import os, signal, time\n"
+        "import ckptctl.cli as cli\n"
+        "import ckptctl.cli._errors as errors\n"
+        "def restore():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(30)\n"
+        "errors.restore_default_signal_handlers = restore\n"
+        "cli.run = lambda args: 4\n"
+        "cli.main(['wait-ready'])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 4 and r.stderr == "", r.stderr
