@@ -40,6 +40,11 @@ class Names:
     control_socket: str = "control_socket=PATH"
     trace: str = "trace="
 
+    def without_wait(self) -> Names:
+        """For a command with no wait for a job to start (rollback, stop), or one whose wait
+        ran out: its errors offer none."""
+        return replace(self, wait="")
+
 
 ARGUMENTS = Names()
 FLAGS = Names(
@@ -219,7 +224,7 @@ def resolve_socket(
     (`serve &` then `push --wait 600`: the socket appears once every rank is up)."""
     deadline = time.monotonic() + max(wait_s, 0.0)
     if wait_s > 0:  # (it was given: the error says how long it waited instead)
-        names = replace(names, wait="")
+        names = names.without_wait()
     while True:
         try:
             if explicit:

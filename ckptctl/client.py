@@ -25,7 +25,6 @@ failed; the job goes on serving; NotAnswering, one of them: no serve job answers
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import threading
 import time
@@ -71,11 +70,6 @@ def find_job(
 
     targets = job_targets(_as_list(endpoint), _as_list(uds))
     return resolve_socket(control_socket, targets, wait, names=names)
-
-
-def _no_wait(names: Names) -> Names:
-    """For a command with no wait for a job to start (rollback, stop): its errors offer none."""
-    return dataclasses.replace(names, wait="")
 
 
 def _as_list(values: str | Sequence[str]) -> list[str]:
@@ -194,7 +188,7 @@ def rollback(
 ) -> dict[str, Any]:
     """Push the whole checkpoint before the last whole one again, with its weight version
     (`ckptctl rollback`). InvalidInput (3) when there is none, or when its files changed."""
-    path = find_job(control_socket, endpoint, uds, 0.0, names=_no_wait(names))
+    path = find_job(control_socket, endpoint, uds, 0.0, names=names.without_wait())
     body = {"push_id": push_id}
     return _run(path, "/rollback", body, timeout, check=check, on_progress=on_progress, names=names)
 
@@ -303,7 +297,7 @@ def stop(
     `control_socket`, `stopped` (true: it no longer answers; false: asked, not waited for)."""
     from ckptctl._control_client import answers
 
-    path = find_job(control_socket, endpoint, uds, 0.0, names=_no_wait(names))
+    path = find_job(control_socket, endpoint, uds, 0.0, names=names.without_wait())
     request(path, "POST", "/stop", None, 10.0)
     deadline = time.monotonic() + wait
     while wait and answers(path):

@@ -292,14 +292,13 @@ def run_command(send: Any, out: Output, job: JobAddress, timeout: float) -> None
     """Find the job, send it a push, stage or rollback (`send`: ckptctl.client's, its own
     arguments bound) with a push id of its own, show its progress while it runs, cancel it on
     Ctrl-C, then report its answer (stdout: the result)."""
-    import dataclasses
     import secrets
 
     from ckptctl import client
     from ckptctl._control_client import FLAGS
     from ckptctl.errors import Interrupted
 
-    names = FLAGS if job.wait is not None else dataclasses.replace(FLAGS, wait="")
+    names = FLAGS if job.wait is not None else FLAGS.without_wait()
     path = client.find_job(
         job.control_socket, job.endpoint or (), job.uds or (), job.wait or 0.0, names=names
     )
