@@ -92,13 +92,36 @@ def read_regular(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
     return data
 
 
+def replaceable_target(
+    path: str | os.PathLike[str],
+    is_ours: Callable[[bytes], bool],
+    what: str,
+    flag: str,
+    head: int = 64,
+) -> str:
+    """`path` as an absolute path (its last part not resolved) that `what` ("a trace") may be
+    written to, or a UsageError naming `flag`: its folder exists, and nothing is there that
+    ckptctl may not replace (why_not_replace)."""
+    from ckptctl.errors import UsageError
+
+    full = os.path.abspath(os.fspath(path))
+    where = os.path.dirname(full)
+    if not os.path.isdir(where):
+        raise UsageError(f"{flag} {path}: no directory {where}")
+    problem = why_not_replace(full, is_ours, what, head)
+    if problem:
+        raise UsageError(f"{flag} {path}: {problem}; name a new file (or {what} written before)")
+    return full
+
+
 def why_not_replace(
     path: str, is_ours: Callable[[bytes], bool], what: str, head: int = 64
 ) -> str | None:
     """Why the file at `path` may not be replaced by `what` ("a trace") that ckptctl writes;
     None when nothing is there, or when it is a regular file of this user that is empty (from
-    mktemp, say) or whose first `head` bytes `is_ours` takes for one ckptctl wrote before. Anything else is the user's and stays
-    as it is; a symlink there is refused, never followed."""
+    mktemp, say) or whose first `head` bytes `is_ours` takes for one ckptctl wrote before.
+    Anything else is the user's and stays as it is; a symlink there is refused, never
+    followed."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptctl import __version__
 from ckptctl.checkpoint.headers import MAX_ELEMENTS, shape_fits
-from ckptctl.errors import InvalidInput, OperationFailed, UsageError
-from ckptctl.regular_files import UnfitFile, read_regular, why_not_replace
+from ckptctl.errors import InvalidInput, OperationFailed
+from ckptctl.regular_files import UnfitFile, read_regular, replaceable_target, why_not_replace
 
 if TYPE_CHECKING:
     from checkpoint_engine.data_types import MemoryBufferMetaList
@@ -126,9 +126,7 @@ def write_metas_file(
     except InvalidInput as exc:
         raise ValueError(str(exc)) from None
     # (Checked when the job started, and again here: a file put there since is the user's.)
-    problem = why_not_replace(
-        os.path.abspath(path), _is_a_metas_file, "a metas file", head=METAS_HEAD
-    )
+    problem = why_not_replace(os.path.abspath(path), _is_a_metas_file, WHAT, head=METAS_HEAD)
     if problem:
         raise OperationFailed(f"cannot write metas file {path}: {problem}; name a new file")
     _atomic_write(Path(path), _render(doc).encode("ascii"))
@@ -139,16 +137,10 @@ def check_target(path: str | os.PathLike[str], flag: str) -> str:
     why not (`flag`: the option that named it). Only a new file, or a metas file written
     before, is replaced: ckptctl's own JSON, or a pickle as the seed script writes (a user who
     switches keeps their command line)."""
-    full = os.path.abspath(os.fspath(path))
-    where = os.path.dirname(full)
-    if not os.path.isdir(where):
-        raise UsageError(f"{flag} {path}: no directory {where}")
-    problem = why_not_replace(full, _is_a_metas_file, "a metas file", head=METAS_HEAD)
-    if problem:
-        raise UsageError(f"{flag} {path}: {problem}; name a new file (or a metas file)")
-    return full
+    return replaceable_target(path, _is_a_metas_file, WHAT, flag, head=METAS_HEAD)
 
 
+WHAT = "a metas file"
 METAS_HEAD = 256  # bytes read to tell a metas file (a pickle names its first class early)
 
 

@@ -164,21 +164,20 @@ def check_path(path: str | os.PathLike[str], what: str = "--trace") -> str:
     """FILE as an absolute path (its last part not resolved: a symlink there is refused, never
     followed), or a UsageError saying why it cannot be written (`what`: how it names FILE's
     flag or argument)."""
-    full = os.path.abspath(os.fspath(path))
-    where = os.path.dirname(full)
-    if not os.path.isdir(where):
-        raise UsageError(f"{what} {path}: no directory {where}")
-    problem = _not_a_trace(full)
-    if problem:
-        raise UsageError(f"{what} {path}: {problem}; name a new file (or a trace written before)")
-    return full
+    from ckptctl.regular_files import replaceable_target
+
+    return replaceable_target(path, _is_a_trace, "a trace", what)
+
+
+def _is_a_trace(head: bytes) -> bool:
+    return head.startswith(MAGIC)
 
 
 def _not_a_trace(path: str) -> str | None:
     """Why the file at `path` may not be replaced; None when there is none or it is a trace."""
     from ckptctl.regular_files import why_not_replace
 
-    return why_not_replace(path, lambda head: head.startswith(MAGIC), "a trace")
+    return why_not_replace(path, _is_a_trace, "a trace")
 
 
 def write(path: str, events: list[dict[str, Any]], what: str = "--trace") -> int:
