@@ -90,15 +90,16 @@ def check_endpoint(endpoint: str) -> str:
         httpx.URL(endpoint)
     except (httpx.InvalidURL, TypeError, ValueError):
         parts, host = None, None
-    if len(endpoint.split()) > 1:  # (a list where one server goes: no URL holds a space)
+    urls = len(endpoint.split())
+    if urls > 1:  # (a list where one server goes: no URL holds a space)
         import os
 
         from ckptctl.defaults import ENDPOINT_ENV
 
         source = f" (from {ENDPOINT_ENV})" if os.environ.get(ENDPOINT_ENV) == endpoint else ""
         raise UsageError(
-            f"--endpoint {endpoint!r}{source} is {len(endpoint.split())} URLs where one "
-            "server goes: give this command one --endpoint URL (run it once per server)"
+            f"--endpoint {endpoint!r}{source} is {urls} URLs where one server goes: give this "
+            "command one --endpoint URL (run it once per server)"
         )
     if parts is None or parts.scheme not in ("http", "https") or not host:
         raise UsageError(

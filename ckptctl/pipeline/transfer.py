@@ -103,8 +103,8 @@ class Transfer:
         if self.save_metas_file and job.launch.rank == 0:  # (rank 0 writes it)
             from ckptctl.metas.fileformat import check_target
 
-            # Refused before anything is read: a file there that is not a metas file is the
-            # user's, never replaced.
+            # Refused before anything is registered or sent (the early read may have begun):
+            # a file there that is not a metas file is the user's, never replaced.
             check_target(self.save_metas_file, "the metas file")
         reader: ShareReader | None = None
         if self.metas is None:

@@ -465,7 +465,6 @@ class ServeLoop:
     def run(self) -> str:
         """Run every command, in order, until a stop; returns why it stopped."""
         job = self.job
-        job.watchdog.on_signal = self._on_signal  # (serve_loop set it already)
         job.watchdog.deadline = float("inf")  # serving is not bounded; each push is
         if self.metrics is not None:
             self.metrics.idle()
@@ -495,7 +494,6 @@ class ServeLoop:
                 if pending is not None:
                     pending.finish(merged)
         finally:
-            job.watchdog.on_signal = None
             if self.metrics is not None:
                 self.metrics.stopping()
             with self._lock:
@@ -673,8 +671,9 @@ def serve_loop(
             restore=restore,
             metrics=metrics,
         )
-        # A SIGTERM from here on stops the job cleanly, also one that comes while the ranks
-        # meet below: rank 0 opens the control socket when a rank may not run the loop yet.
+        # A SIGTERM from here until the loop ends stops the job cleanly, also one that comes
+        # while the ranks meet below: rank 0 opens the control socket when a rank may not run
+        # the loop yet.
         job.watchdog.on_signal = loop._on_signal
         # Every rank is in the group: learn where each one runs (status names rank 0's host).
         hosts = channel.gather({"host": socket.gethostname()}, TICK_TIMEOUT_S)
