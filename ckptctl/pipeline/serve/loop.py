@@ -105,6 +105,11 @@ def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[
         error = error.replace(f" ({PARTIAL_WEIGHTS_NOTE})", "")
     sizes = [r["total_bytes"] for r in ranks if isinstance(r.get("total_bytes"), int)]
     wall_s = max((float(r.get("wall_s") or 0) for r in ranks), default=0.0)
+    # whole: the server holds every tensor of this push; partial: a mix of old and new;
+    # None: this push never reached the server's weights (a stage never does: it reads ahead).
+    weights = None
+    if command.get("action") != "stage":
+        weights = "whole" if first is None else ("partial" if partial else None)
     return {
         "ok": first is None,
         "exit_code": 0 if first is None else int(first.get("exit_code") or ExitCode.FAILED),
@@ -116,13 +121,7 @@ def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[
         "checkpoint_path": command.get("checkpoint_path"),
         "checkpoint_name": ranks[0].get("checkpoint_name") or command.get("checkpoint_name"),
         "weight_version": command.get("weight_version"),
-        # whole: the server holds every tensor of this push; partial: a mix of old and new;
-        # None: this push never reached the server's weights.
-        "server_weights": None
-        if command.get("action") == "stage"  # (read ahead: nothing sent)
-        else "whole"
-        if first is None
-        else ("partial" if partial else None),
+        "server_weights": weights,
         "started_at": command.get("started_at"),
         "finished_at": utc_now(),
         "wall_s": wall_s,
