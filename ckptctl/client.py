@@ -14,7 +14,7 @@ Each function returns the document the matching `ckptctl ... --json` prints (`ok
 (`wait=SECONDS`), where the CLI's name its flags.
 
 The job is found as the CLI finds it: `control_socket`, else the job that feeds `endpoint` /
-`uds`, else this user's only serve job on the node (ckptctl._control_client, which also
+`uds`, else this user's only serve job on the node (ckptctl.serve.control_client, which also
 checks who owns the socket and who listens on it). Failures raise ckptctl.errors.CkptctlError
 subclasses whose `exit_code` is what the CLI would exit with: InvalidInput (3: the checkpoint,
 or `verify` where the server cannot), DeadlineExceeded (4), OperationFailed (1: the push
@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ckptctl._control_client import ARGUMENTS, Names, NotAnswering
 from ckptctl.errors import (
     CkptctlError,
     DeadlineExceeded,
@@ -40,6 +39,7 @@ from ckptctl.errors import (
     UsageError,
     error_for,
 )
+from ckptctl.serve.control_client import ARGUMENTS, Names, NotAnswering
 
 __all__ = [
     "NotAnswering",
@@ -65,8 +65,8 @@ def find_job(
     """The control socket of the serve job to talk to, waiting up to `wait` seconds for one to
     answer (`serve &` and then the first push). `names`: how messages name the arguments
     (the CLI passes its flags)."""
-    from ckptctl._control_client import resolve_socket
-    from ckptctl.pipeline.serve.control import job_targets
+    from ckptctl.serve.control import job_targets
+    from ckptctl.serve.control_client import resolve_socket
 
     targets = job_targets(_as_list(endpoint), _as_list(uds))
     return resolve_socket(control_socket, targets, wait, names=names)
@@ -88,7 +88,7 @@ def request(
 ) -> dict[str, Any]:
     """One request to the job on `path`; a refusal raises. `flag`: the argument that set
     `timeout`, named when it runs out."""
-    from ckptctl._control_client import call
+    from ckptctl.serve.control_client import call
 
     code, doc = call(path, method, route, body, timeout, flag=flag)
     if code in (400, 409):  # a request that should not have been sent, or the wrong node
@@ -295,7 +295,7 @@ def stop(
     """Ask the serve job to stop (a push under way is cancelled); with `wait`, until it no
     longer answers (DeadlineExceeded after `wait` seconds). `ckptctl stop --json`'s document:
     `control_socket`, `stopped` (true: it no longer answers; false: asked, not waited for)."""
-    from ckptctl._control_client import answers
+    from ckptctl.serve.control_client import answers
 
     path = find_job(control_socket, endpoint, uds, 0.0, names=names.without_wait())
     request(path, "POST", "/stop", None, 10.0)

@@ -8,7 +8,7 @@ what fails only under load or in some set-ups (open files, /dev/shm), the weight
 (only --verify needs it).
 
 torch and checkpoint-engine are imported inside the checks that need them; the server checks
-reuse the readiness probe (readiness.py) and --verify's capability probe (verify.py), each
+reuse the readiness probe (readiness.py) and --verify's capability probe (weights_checker.py), each
 server's questions bounded together by one deadline.
 """
 
@@ -179,7 +179,7 @@ def check_cuda() -> list[Check]:
 
 def check_checkpoint_engine() -> Check:
     """Installed, in the range ckptctl was written for, and importable."""
-    from ckptctl.pipeline.ce_internals import WRITTEN_FOR, installed_version, version_problem
+    from ckptctl.ce.internals import WRITTEN_FOR, installed_version, version_problem
 
     name = "checkpoint-engine"
     fix = f"pip install 'checkpoint-engine{WRITTEN_FOR}'"
@@ -435,7 +435,7 @@ def server_addresses(
     from ckptctl.defaults import DEFAULT_ENDPOINT
     from ckptctl.errors import UsageError
     from ckptctl.inference_server import check_endpoint
-    from ckptctl.pipeline.groups import nth_server
+    from ckptctl.job.groups import nth_server
 
     endpoints, uds = list(endpoints or []), list(uds or [])
     if not endpoints and not uds:
@@ -546,7 +546,7 @@ def identify(address: ServerAddress, timeout: float) -> Identity:
 def check_weights_checker(address: ServerAddress, engine: str, timeout: float) -> Check:
     """Which of --verify's actions the server's weights checker offers (verify.probe)."""
     from ckptctl.errors import CkptctlError
-    from ckptctl.verify import CHECKER_PATH, CHECKSUM, COMPARE_CHECKSUM, Checker, probe
+    from ckptctl.weights_checker import CHECKER_PATH, CHECKSUM, COMPARE_CHECKSUM, Checker, probe
 
     name, where = "weights-checker", address.describe()
     extra: dict[str, Any] = {"endpoint": redact(address.endpoint)}

@@ -7,7 +7,7 @@ its stage does (a read that overlaps the parameter server's start-up), or `done.
 a figure that can only be read (how much of the files is mapped). The display decides how to
 draw it: bars with bytes, rate and ETA on a terminal, a line every 10 s in a log, nothing with
 --quiet. A stage marked `node_wide` adds the other ranks of the node (through `reporter.node`,
-which the job sets: pipeline/node_progress.py) - their shares of the checkpoint, read side by
+which the job sets: job/node_progress.py) - their shares of the checkpoint, read side by
 side on one machine.
 """
 
@@ -147,7 +147,7 @@ class StageLog:
 
 
 class NodeView(Protocol):
-    """The other ranks of this node, as the job sees them (pipeline/node_progress.py)."""
+    """The other ranks of this node, as the job sees them (job/node_progress.py)."""
 
     expected: int  # the node's other ranks
 

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from ckptctl.errors import redact_doc
+from ckptctl.errors import ExitCode, redact_doc
 
 _stream: TextIO | None = None  # where the result goes; None: this command prints no JSON
 _written = False
@@ -137,9 +137,25 @@ def leave_group_to_exit(code: int) -> None:
         return
     # A group whose build started (still running, or failed halfway) is left the same way: an
     # interpreter shutdown under NCCL's threads may hang or abort (process_group.py).
-    builder = sys.modules.get("ckptctl.pipeline.process_group")
+    builder = sys.modules.get("ckptctl.job.process_group")
     if not torch.distributed.is_initialized() and not getattr(builder, "started", False):
         return
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(code))
+
+
+def outcome(result: dict[str, Any]) -> str:
+    """How a push ended, in one word or phrase: ok, rolled back (a rollback that succeeded),
+    restored (it failed mid-transfer and the last whole push was pushed again), cancelled,
+    refused before sending (exit 3: nothing was sent), or failed."""
+    if result.get("ok"):
+        return "rolled back" if result.get("action") == "rollback" else "ok"
+    if result.get("server_weights") == "whole":
+        return "restored"
+    code = result.get("exit_code")
+    if code == ExitCode.INTERRUPTED:
+        return "cancelled"
+    if code == ExitCode.INVALID_INPUT and result.get("server_weights") is None:
+        return "refused before sending"
+    return "failed"

@@ -1,5 +1,5 @@
 """Enumerated flag values (Typer shows them in --help and completes them); --update-method's
-is the request's own UpdateMethod (pipeline/request.py)."""
+is the request's own UpdateMethod (transfer/request.py)."""
 
 from __future__ import annotations
 

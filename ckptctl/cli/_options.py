@@ -401,7 +401,7 @@ FindUdsOpt = Annotated[
     ),
 ]
 
-# -- --verify (ckptctl/verify.py) -----------------------------------------------------------------
+# -- --verify (ckptctl/weights_checker.py) -----------------------------------------------------------------
 
 VerifyOpt = Annotated[
     bool,

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ckptctl.checkpoint.plan import Plan
 from ckptctl.cli._output import Output
-from ckptctl.pipeline.groups import GroupPlan
+from ckptctl.job.groups import GroupPlan
 from ckptctl.progress import format_bytes
 
 

@@ -35,7 +35,7 @@ from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 
 if TYPE_CHECKING:
-    from ckptctl.pipeline.request import TransferRequest
+    from ckptctl.transfer.request import TransferRequest
 
 
 def join_command(
@@ -62,7 +62,8 @@ def join_command(
     Needs one GPU per rank (torchrun), mooncake and RDMA here, and a metas file with p2p store
     addresses. Whatever is missing is reported (exit 3) before the server is touched.
     """
-    from ckptctl.pipeline.request import UpdateMethod, resolve, verify_ways
+    from ckptctl.settings import UpdateMethod
+    from ckptctl.transfer.request import resolve, verify_ways
 
     ways = verify_ways(verify=verify, round_trip=False, reset_confirmed=False, engine=engine.value)
     request = resolve(
@@ -84,7 +85,7 @@ def run_join_job(
 ) -> None:
     """`join`, and `update --load-metas-file`: the job itself, on this rank."""
     from ckptctl.cli._job_view import run_job_with_display
-    from ckptctl.pipeline.metas_jobs import JoinOptions, run_join
+    from ckptctl.transfer.metas_jobs import JoinOptions, run_join
 
     opts = JoinOptions(str(metas_file), request, allow_pickle=allow_pickle, verbose=verbose)
     run_job_with_display(run_join, opts, out)

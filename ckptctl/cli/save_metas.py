@@ -59,9 +59,10 @@ def save_metas_command(
     not the serving.
     """
     from ckptctl.cli._job_view import run_job_with_display
-    from ckptctl.pipeline.groups import ServerTargets
-    from ckptctl.pipeline.metas_jobs import SaveMetasOptions, run_save_metas
-    from ckptctl.pipeline.request import RegisterMode, TransferRequest
+    from ckptctl.job.groups import ServerTargets
+    from ckptctl.settings import RegisterMode
+    from ckptctl.transfer.metas_jobs import SaveMetasOptions, run_save_metas
+    from ckptctl.transfer.request import TransferRequest
 
     out = Output(json_mode=json_output, quiet=quiet)
     use_log_format(out, log_format)

@@ -1,6 +1,6 @@
 """`ckptctl serve` (a long-lived job under torchrun) and its clients `push`, `status`, `stop`.
 
-The clients talk to the job's control socket on this node (ckptctl._control_client):
+The clients talk to the job's control socket on this node (ckptctl.serve.control_client):
 `--control-socket PATH`, else the socket of the job that feeds `--endpoint`/`--uds`, else the
 only serve job of this user on the node.
 """
@@ -136,8 +136,10 @@ def serve_command(
     unchanged), so that the server ends whole on the previous version.
     """
     from ckptctl.cli._job_view import run_job_with_display
-    from ckptctl.pipeline.request import RegisterMode, resolve
-    from ckptctl.pipeline.serve.run import ServeOptions, run_serve
+    from ckptctl.serve.run import run_serve
+    from ckptctl.serve.state import ServeOptions
+    from ckptctl.settings import RegisterMode
+    from ckptctl.transfer.request import resolve
 
     if metrics_port is not None:
         from ckptctl.observe.metrics import missing_package
@@ -295,8 +297,8 @@ def run_command(send: Any, out: Output, job: JobAddress, timeout: float) -> None
     import secrets
 
     from ckptctl import client
-    from ckptctl._control_client import FLAGS
     from ckptctl.errors import Interrupted
+    from ckptctl.serve.control_client import FLAGS
 
     names = FLAGS if job.wait is not None else FLAGS.without_wait()
     path = client.find_job(
@@ -480,7 +482,7 @@ def _which_job_kwargs(
     control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
 ) -> dict[str, Any]:
     """The client's arguments that find the job, its messages naming the CLI's flags."""
-    from ckptctl._control_client import FLAGS
+    from ckptctl.serve.control_client import FLAGS
 
     return {
         "control_socket": control_socket,
@@ -545,8 +547,8 @@ def _ago(stamp: str | None) -> str:
 
 def describe_status(doc: dict[str, Any], path: str) -> list[str]:
     """The human view of `status`: the job, the server's weights, the last push."""
-    from ckptctl.pipeline.serve.state import outcome
     from ckptctl.progress import format_bytes
+    from ckptctl.results import outcome
 
     rank = doc.get("rank", 0)
     lines = [

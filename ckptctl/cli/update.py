@@ -1,7 +1,7 @@
 """`ckptctl update`: split a checkpoint across ranks, register it, push it to the server.
 
 `--dry-run` plans the split and prints it, with no GPU, no server and no torchrun needed.
-Otherwise every rank runs the pipeline in `ckptctl.pipeline.update` and rank 0 reports.
+Otherwise every rank runs the pipeline in `ckptctl.transfer.update` and rank 0 reports.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
 from ckptctl.launch import LaunchInfo, launch_info
-from ckptctl.pipeline.request import UpdateMethod
+from ckptctl.settings import UpdateMethod
 
 if TYPE_CHECKING:
-    from ckptctl.pipeline.request import TransferRequest
+    from ckptctl.transfer.request import TransferRequest
 
 
 DRY_RUN_NODE_SIZE = 8  # ranks per node a dry run takes without --nproc-per-node
@@ -169,7 +169,8 @@ def update_command(
     # default --inference-parallel-size 8 before the checkpoint is even looked at.
     world = resolve_world_size(launch, world_size, inference_parallel_size if dry_run else 1)
 
-    from ckptctl.pipeline.request import RegisterMode, check_update_flags, resolve
+    from ckptctl.settings import RegisterMode
+    from ckptctl.transfer.request import check_update_flags, resolve
 
     ways = check_update_flags(
         checkpoint_path=checkpoint_path,
@@ -221,7 +222,7 @@ def update_command(
         return None
 
     from ckptctl.cli._job_view import run_job_with_display
-    from ckptctl.pipeline.update import UpdateOptions, run_update
+    from ckptctl.transfer.update import UpdateOptions, run_update
 
     want_trace(out, trace)
 
@@ -249,7 +250,7 @@ def plan_dry_run(
     from ckptctl.checkpoint import plan_split, read_checkpoint
     from ckptctl.checkpoint.consume import check_consumable
     from ckptctl.cli._plan_view import show_plan
-    from ckptctl.pipeline.request import RegisterMode
+    from ckptctl.settings import RegisterMode
 
     servers = request.servers
     per_node = resolve_nproc_per_node(launch, nproc_flag, world)

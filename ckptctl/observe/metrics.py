@@ -43,13 +43,13 @@ def missing_package() -> str | None:
     return None
 
 
-# The push log's outcomes (serve.state.outcome) as label values.
+# The push log's outcomes (results.outcome) as label values.
 OUTCOME_LABELS = {"refused before sending": "refused", "rolled back": "rolled_back"}
 
 
 def outcome_of(merged: dict[str, Any]) -> str:
     """The push's outcome as a label: ok, rolled_back, restored, cancelled, refused, failed."""
-    from ckptctl.pipeline.serve.state import outcome
+    from ckptctl.results import outcome
 
     word = outcome(merged)
     return OUTCOME_LABELS.get(word, word)

@@ -8,7 +8,7 @@ chrome://tracing), one process per rank (pid = rank) and one track per thread:
 - buckets: each bucket of the transfer, from the moment its metas went to the server's
   worker to the worker's reply that it loaded it (parameter_server.ReplyWatchingSocket);
 - host-to-device copies: each bucket's copy out of host memory, and how long it waited for a
-  read still filling it (a serve push whose read overlaps the transfer: pipeline/overlap.py);
+  read still filling it (a serve push whose read overlaps the transfer: transfer/overlap.py);
 - exchange with the server's worker: the rest of checkpoint-engine's exchange with it -
   connecting and taking the IPC handle, releasing it, the post-hook - and the ParameterServer's
   own release of its transfer buffers in between;

@@ -19,8 +19,8 @@ from conftest import run_script
 from fake_server import Behaviour, FakeServer
 
 from ckptctl import doctor
+from ckptctl.ce import internals as ce_internals
 from ckptctl.cli import run
-from ckptctl.pipeline import ce_internals
 
 MACHINE = ["cuda", "checkpoint-engine", "torchrun", "memlock", "open-files", "dev-shm", "rdma"]
 STATUSES = ("ok", "warn", "fail")

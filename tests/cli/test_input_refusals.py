@@ -29,7 +29,7 @@ from locations import TINY
 from ckptctl.checkpoint import load_tensors, read_checkpoint
 from ckptctl.checkpoint.headers import MAX_INDEX_BYTES
 from ckptctl.errors import InvalidInput
-from ckptctl.pipeline.host_memory import ShareReader
+from ckptctl.transfer.host_memory import ShareReader
 
 INDEX = "model.safetensors.index.json"
 GUARD_S = 60  # far longer than any refusal takes; what blocked before never ended at all

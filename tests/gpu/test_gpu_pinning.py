@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.gpu]
 SCRIPT = r"""
 import ctypes, json, sys
 from ckptctl.checkpoint import read_checkpoint
-from ckptctl.pipeline.host_memory import ShareReader
-from ckptctl.pipeline.host_memory._cuda_pinning import DriverPin
+from ckptctl.transfer.host_memory import ShareReader
+from ckptctl.transfer.host_memory._cuda_pinning import DriverPin
 
 if sys.argv[2] == "other-gpu":  # as if the driver had picked another GPU than torch gives
     DriverPin.is_torchs_gpu = lambda self, rank: False

@@ -1,5 +1,5 @@
-"""The serve job's control socket (ckptctl/pipeline/serve/control.py and its client half,
-ckptctl/_control_client.py) with real Unix sockets:
+"""The serve job's control socket (ckptctl/serve/control.py and its client half,
+ckptctl/serve/control_client.py) with real Unix sockets:
 where it lives and who may enter, what it refuses to replace, the peer check, the clients'
 checks, the bounded HTTP, and which job a client picks. Another user is played by uid 65534
 through `setpriv` where the machine allows it (root)."""
@@ -21,10 +21,9 @@ from typing import Any
 import pytest
 from conftest import raw_exchange, run_script
 
-from ckptctl import _control_client as control_client
 from ckptctl.errors import OperationFailed, UsageError
-from ckptctl.pipeline.serve import control
-from ckptctl.pipeline.serve.control import ControlServer
+from ckptctl.serve import control, control_client
+from ckptctl.serve.control import ControlServer
 
 NOBODY = 65534
 

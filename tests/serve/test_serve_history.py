@@ -15,7 +15,8 @@ from fake_server import Behaviour, FakeServer
 from locations import TINY
 
 from ckptctl import client
-from ckptctl.pipeline.serve.state import PushLog, outcome
+from ckptctl.results import outcome
+from ckptctl.serve.state import PushLog
 
 
 def _push(sock: str, path: Path, *args: str) -> int:
@@ -120,7 +121,7 @@ def test_outcomes_use_one_word_each() -> None:
 
 
 def test_a_full_log_of_the_longest_entries_fits_in_one_answer() -> None:
-    from ckptctl._control_client import MAX_RESPONSE_BYTES
+    from ckptctl.serve.control_client import MAX_RESPONSE_BYTES
 
     log = PushLog()
     for seq in range(1, log.size + 2):

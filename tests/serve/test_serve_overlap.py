@@ -1,4 +1,4 @@
-"""A serve push whose read overlaps its transfer (ckptctl.pipeline.overlap), on CPU.
+"""A serve push whose read overlaps its transfer (ckptctl.transfer.overlap), on CPU.
 
 A real 2-rank serve job (tests/support/cpu_ps_rank.py, CPU_PS_TRANSFER=zmq) whose stand-in
 engine sends the bytes the way checkpoint-engine does (CPU_PS_COPY: its own `_gen_h2d_buckets`,

@@ -296,8 +296,8 @@ def test_a_long_lived_job_deletes_the_store_keys_of_every_finished_push(short_tm
     assert job.returncode == 0, err[-3000:]
     # Also item 6: NCCL's collective timeout outlasts the longest a push may wait (900 s, then
     # the watchdog's grace), where checkpoint-engine's 10 minutes would SIGABRT a long push.
-    from ckptctl.pipeline.process_group import TIMEOUT_GRACE_S
-    from ckptctl.pipeline.serve.push import HARD_GRACE_S
+    from ckptctl.job.process_group import TIMEOUT_GRACE_S
+    from ckptctl.serve.push import HARD_GRACE_S
 
     for rank in (0, 1):
         session = json.loads(Path(f"{log}.session.{rank}").read_text())

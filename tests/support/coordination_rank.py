@@ -13,8 +13,8 @@ import threading
 import time
 
 from ckptctl.errors import InvalidInput
+from ckptctl.job.coordination import Coordinator, Watchdog
 from ckptctl.launch import launch_info
-from ckptctl.pipeline.coordination import Coordinator, Watchdog
 
 
 def say(line: str) -> None:
@@ -58,9 +58,9 @@ def main(scenario: str) -> None:
         # Each rank plans on "its node's copy" of the checkpoint: argv[2] for rank 0, argv[3]
         # for the others. run_job publishes the failure, so every rank ends with rank 0's code.
         from ckptctl.checkpoint import plan_split, read_checkpoint
-        from ckptctl.pipeline.job import Job
-        from ckptctl.pipeline.stages import check_same_plan
+        from ckptctl.job.runner import Job
         from ckptctl.progress import Reporter
+        from ckptctl.transfer.stages import check_same_plan
 
         watchdog.stop()
         path = sys.argv[2] if launch.rank == 0 else sys.argv[3]
@@ -98,10 +98,10 @@ def main(scenario: str) -> None:
         return
     if scenario == "serve":
         # save-metas' serving phase: the test signals one rank, or every rank.
-        from ckptctl.pipeline.coordination import StoppedByPeer
-        from ckptctl.pipeline.job import Job
-        from ckptctl.pipeline.stages import hold_for_joiners
+        from ckptctl.job.coordination import StoppedByPeer
+        from ckptctl.job.runner import Job
         from ckptctl.progress import Reporter
+        from ckptctl.transfer.stages import hold_for_joiners
 
         job = Job(launch, coordinator, watchdog, Reporter(print, primary=launch.rank == 0))
 

@@ -129,7 +129,7 @@ class CpuParameterServerSession:
     def registered_bytes(self, name: str) -> list[tuple[str, Any]]:
         """What the real session hashes for --verify: the bytes each tensor was registered with."""
         if name in self.buffers:
-            from ckptctl.pipeline.parameter_server import buffer_views
+            from ckptctl.ce import buffer_views
 
             return buffer_views(self.buffers[name])
         return [
@@ -160,7 +160,7 @@ class CpuParameterServerSession:
     def wait_transfer_finished(self, timeout: float) -> bool:
         return True if self.real is None else self.real.wait_transfer_finished(timeout)
 
-    # What ckptctl.pipeline.overlap reaches (CPU_PS_TRANSFER=zmq): the engine, the transfer.
+    # What ckptctl.transfer.overlap reaches (CPU_PS_TRANSFER=zmq): the engine, the transfer.
     @property
     def ps(self) -> Any:
         if self.real is not None:
@@ -418,7 +418,7 @@ def _no_op() -> None:
 
 def hold_reads(hold_dir: str) -> None:
     """CPU_PS_READ_HOLD (see the module's doc): the reader's opens, held and cut on demand."""
-    import ckptctl.pipeline.host_memory._file_reads as reads_module
+    import ckptctl.transfer.host_memory._file_reads as reads_module
 
     open_planned = reads_module.open_planned
 
@@ -442,8 +442,8 @@ def hold_reads(hold_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    import ckptctl.pipeline.host_memory._cuda_pinning as pinning_module
-    import ckptctl.pipeline.parameter_server as ps_module
+    import ckptctl.ce as ps_module
+    import ckptctl.transfer.host_memory._cuda_pinning as pinning_module
 
     REAL_SESSION = ps_module.ParameterServerSession
     ps_module.ParameterServerSession = CpuParameterServerSession  # type: ignore[misc]
@@ -467,7 +467,7 @@ if __name__ == "__main__":
     if os.environ.get("CPU_PS_PLAN_LATE"):
         import threading
 
-        import ckptctl.pipeline.stages as stages_module
+        import ckptctl.transfer.stages as stages_module
 
         asked = threading.Event()
         read_and_plan, plan_share = stages_module.read_and_plan, stages_module.plan_share

@@ -14,12 +14,12 @@ import json
 import os
 import sys
 
+from ckptctl.job.coordination import Coordinator, Watchdog
+from ckptctl.job.runner import Job
 from ckptctl.launch import launch_info
-from ckptctl.pipeline import stages
-from ckptctl.pipeline.coordination import Coordinator, Watchdog
-from ckptctl.pipeline.job import Job
-from ckptctl.pipeline.serve.loop import serve_loop
 from ckptctl.progress import Reporter
+from ckptctl.serve.loop import serve_loop
+from ckptctl.transfer import stages
 
 
 def execute(job: Job, command: dict) -> dict:

@@ -152,7 +152,7 @@ def test_the_watchdog_ends_a_rank_whose_stderr_is_a_closed_pipe() -> None:
     code = (
         "import time\n"
         "from ckptctl.launch import LaunchInfo\n"
-        "from ckptctl.pipeline.coordination import Watchdog\n"
+        "from ckptctl.job.coordination import Watchdog\n"
         "launch = LaunchInfo(rank=0, world_size=1, local_rank=0, local_world_size=1,"
         " under_torchrun=False)\n"
         "Watchdog(launch, None, timeout_s=0.5).start()\n"

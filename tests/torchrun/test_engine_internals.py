@@ -1,7 +1,7 @@
 """What ckptctl relies on inside checkpoint-engine (pinned >=0.4.2,<0.5), checked on CPU, so
 that a release that changes it fails here rather than in an update on a GPU node:
 
-- its package imports without the HTTP API (pipeline/ce_import.py);
+- its package imports without the HTTP API (ce/bare_import.py);
 - the fields of the models we build without validation (host_memory MetaMaker, model_construct);
 - the state its gather_metas leaves in a ParameterServer, which `apply_gathered` must leave
   exactly the same way: both run side by side over a real (gloo) process group of 2 torchrun
@@ -23,10 +23,10 @@ import torch
 from ckpt_factory import mixed_shards, mixed_tensors, write_real_checkpoint
 from torchrun_launch import torchrun_cmd
 
+from ckptctl.ce.bare_import import engine_module
 from ckptctl.checkpoint import plan_split, read_checkpoint
 from ckptctl.checkpoint.loader import torch_layout
-from ckptctl.pipeline.ce_import import engine_module
-from ckptctl.pipeline.host_memory import _file_reads, _share_reader
+from ckptctl.transfer.host_memory import _file_reads, _share_reader
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_parameter_server_imports_without_the_http_api() -> None:
     code = """
     import sys
-    from ckptctl.pipeline.ce_import import engine_module, is_bare
+    from ckptctl.ce.bare_import import engine_module, is_bare
     ps = engine_module("ps")
     engine_module("data_types"), engine_module("device_utils")
     assert is_bare(), "the package's __init__ ran"
@@ -57,7 +57,7 @@ def test_the_parameter_server_imports_without_the_http_api() -> None:
 
 def test_a_missing_name_is_an_attribute_error_after_the_package_loads() -> None:
     code = """
-    from ckptctl.pipeline.ce_import import engine_module
+    from ckptctl.ce.bare_import import engine_module
     engine_module("ps")
     import checkpoint_engine
     try:
@@ -120,11 +120,12 @@ from collections import defaultdict
 import torch.distributed as dist
 from ckptctl.checkpoint import plan_split, read_checkpoint
 from ckptctl.launch import launch_info
-from ckptctl.pipeline import ce_internals, host_memory
-from ckptctl.pipeline.parameter_server._session import all_gather_json
-from ckptctl.pipeline.coordination import Coordinator
-from ckptctl.pipeline.ce_import import engine_module
-from ckptctl.pipeline.process_group import BackgroundProcessGroup
+from ckptctl.ce import internals as ce_internals
+from ckptctl.transfer import host_memory
+from ckptctl.ce.session import all_gather_json
+from ckptctl.job.coordination import Coordinator
+from ckptctl.ce.bare_import import engine_module
+from ckptctl.job.process_group import BackgroundProcessGroup
 
 ckpt, split, gpu_count, p2p = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "p2p"
 launch = launch_info()
@@ -228,8 +229,8 @@ def test_a_rank_whose_buffers_differ_from_its_plan_is_refused(ckpt: Path) -> Non
     ckptctl version) is an error, not a silently wrong transfer."""
     from collections import defaultdict
 
+    from ckptctl.ce.internals import apply_gathered
     from ckptctl.errors import OperationFailed
-    from ckptctl.pipeline.ce_internals import apply_gathered
 
     checkpoint = read_checkpoint(ckpt)
     planned = _share_reader.planned_buffers(plan_split(checkpoint, 2, "tensors"))

@@ -17,7 +17,7 @@ from fake_server import torchrun_job
 from locations import TINY
 from torchrun_launch import free_master_port
 
-from ckptctl.pipeline.coordination import read_abort, read_stop
+from ckptctl.job.coordination import read_abort, read_stop
 
 
 def test_an_abort_notice_is_always_a_failure_with_a_clean_line() -> None:
@@ -44,7 +44,7 @@ RANK = """
 import json, sys, time
 from ckptctl import results
 from ckptctl.launch import LaunchInfo
-from ckptctl.pipeline.coordination import Coordinator, Watchdog
+from ckptctl.job.coordination import Coordinator, Watchdog
 
 launch = LaunchInfo(rank=1, world_size=2, local_rank=1, local_world_size=2, under_torchrun=True)
 coordinator = Coordinator.local(launch)

@@ -28,13 +28,13 @@ import pytest
 import zmq
 from p2p_rank import LOOPBACK, P2P_TCP_ENV, use_loopback
 
-from ckptctl.errors import OperationFailed
-from ckptctl.pipeline.parameter_server._p2p import (
+from ckptctl.ce.p2p import (
     p2p_missing,
     prefer_system_unwinder,
     watch_p2p_reads,
 )
-from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket
+from ckptctl.ce.transfer_sockets import ReplyWatchingSocket
+from ckptctl.errors import OperationFailed
 
 PROBE = Path(__file__).resolve().parents[1] / "support" / "p2p_tcp_probe.py"
 
@@ -110,7 +110,7 @@ def test_abort_gives_up_on_a_worker_that_never_answers(req: ReplyWatchingSocket)
 def test_a_failed_read_aborts_the_worker_then_fails_the_job(req: ReplyWatchingSocket) -> None:
     """ParameterServerSession's glue: the worker first (so that the server stays usable), then
     the watchdog (exit 1)."""
-    from ckptctl.pipeline.parameter_server import ParameterServerSession
+    from ckptctl.ce import ParameterServerSession
 
     session = object.__new__(ParameterServerSession)  # its constructor needs CUDA
     failures: list[tuple[int, str]] = []

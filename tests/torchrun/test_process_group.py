@@ -18,8 +18,8 @@ TWO_RANKS = r"""
 import json, os, time
 import torch, torch.distributed as dist
 from ckptctl.launch import launch_info
-from ckptctl.pipeline.coordination import Coordinator
-from ckptctl.pipeline.process_group import BackgroundProcessGroup
+from ckptctl.job.coordination import Coordinator
+from ckptctl.job.process_group import BackgroundProcessGroup
 
 launch = launch_info()
 coordinator = Coordinator.connect(launch, timeout_s=30)
@@ -70,7 +70,7 @@ def _run(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 def test_the_collective_timeout_outlasts_the_jobs_own_bound() -> None:
     """Issue 23 item 6: NCCL aborts the process (SIGABRT) when a collective outlasts its
     timeout, so a serve job of --push-timeout 900 must not keep checkpoint-engine's 10 min."""
-    from ckptctl.pipeline.process_group import MIN_TIMEOUT_S, TIMEOUT_GRACE_S, group_timeout_s
+    from ckptctl.job.process_group import MIN_TIMEOUT_S, TIMEOUT_GRACE_S, group_timeout_s
 
     assert group_timeout_s(None) == group_timeout_s(float("inf")) == MIN_TIMEOUT_S == 600
     assert group_timeout_s(60) == MIN_TIMEOUT_S  # never shorter than checkpoint-engine's
@@ -82,7 +82,7 @@ def test_the_group_is_built_with_the_timeout_it_is_given() -> None:
     r = _run("""
         import torch, torch.distributed as dist
         from ckptctl import results
-        from ckptctl.pipeline.process_group import BackgroundProcessGroup
+        from ckptctl.job.process_group import BackgroundProcessGroup
         g = BackgroundProcessGroup(rank=0, world_size=1, store=None, backend="gloo",
                                    timeout_s=1234)
         g.wait(30)
@@ -98,7 +98,7 @@ def test_a_job_of_one_process_needs_no_store() -> None:
     r = _run("""
         import torch.distributed as dist
         from ckptctl import results
-        from ckptctl.pipeline.process_group import BackgroundProcessGroup
+        from ckptctl.job.process_group import BackgroundProcessGroup
         g = BackgroundProcessGroup(rank=0, world_size=1, store=None, backend="gloo")
         g.wait(30)
         print(dist.is_initialized(), dist.get_world_size())
@@ -118,7 +118,7 @@ def test_a_rank_that_never_comes_is_a_bounded_wait_and_the_process_still_leaves(
         from torch.distributed import TCPStore
         from ckptctl import results
         from ckptctl.errors import DeadlineExceeded
-        from ckptctl.pipeline.process_group import BackgroundProcessGroup
+        from ckptctl.job.process_group import BackgroundProcessGroup
         # Port 0: the store binds a free port itself (a port found free and bound later
         # could be taken meanwhile by a test running beside this one).
         store = TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
@@ -138,7 +138,7 @@ def test_a_rank_that_never_comes_is_a_bounded_wait_and_the_process_still_leaves(
 def test_a_failed_build_is_raised_on_the_waiting_thread() -> None:
     r = _run("""
         from ckptctl.errors import OperationFailed
-        from ckptctl.pipeline.process_group import BackgroundProcessGroup
+        from ckptctl.job.process_group import BackgroundProcessGroup
         g = BackgroundProcessGroup(rank=0, world_size=1, store=None, backend="no-such-backend")
         try:
             g.wait(30)
@@ -160,8 +160,8 @@ import sys
 from ckptctl import results
 from ckptctl.errors import CkptctlError, InvalidInput, print_error
 from ckptctl.launch import launch_info
-from ckptctl.pipeline.job import run_job
-from ckptctl.pipeline.process_group import BackgroundProcessGroup
+from ckptctl.job.runner import run_job
+from ckptctl.job.process_group import BackgroundProcessGroup
 from ckptctl.progress import Reporter
 
 launch = launch_info()
@@ -206,8 +206,8 @@ def test_a_second_connection_sees_the_same_keys_for_a_job_of_one_process() -> No
     import threading
     from datetime import timedelta
 
+    from ckptctl.job.coordination import Coordinator
     from ckptctl.launch import launch_info
-    from ckptctl.pipeline.coordination import Coordinator
 
     coordinator = Coordinator.local(launch_info())
     other = coordinator.second_connection()

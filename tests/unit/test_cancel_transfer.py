@@ -18,8 +18,8 @@ import pytest
 import zmq
 from conftest import wait_until
 
-import ckptctl.pipeline.parameter_server._transfer_sockets as ps_module
-from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket
+import ckptctl.ce.transfer_sockets as ps_module
+from ckptctl.ce.transfer_sockets import ReplyWatchingSocket
 
 RELEASED: list[tuple[Any, ...]] = []
 

@@ -1,4 +1,4 @@
-"""pipeline/ce_internals.py: the one module that touches checkpoint-engine's private attributes.
+"""ce/internals.py: the one module that touches checkpoint-engine's private attributes.
 
 - It refuses a checkpoint-engine version it was not written for, with one line and exit 1,
   before anything private is touched (the installed version is faked with a distribution of
@@ -24,8 +24,8 @@ from conftest import run_script
 from locations import ROOT as REPO
 from locations import TINY
 
+from ckptctl.ce import internals as ce_internals
 from ckptctl.errors import OperationFailed
-from ckptctl.pipeline import ce_internals
 
 
 def _fake_distribution(root: Path, version: str) -> Path:
@@ -63,7 +63,7 @@ def test_update_refuses_a_version_it_was_not_written_for_in_one_line(
 def test_the_version_is_checked_before_any_private_access(tmp_path: Path) -> None:
     code = """
     from ckptctl.errors import OperationFailed
-    from ckptctl.pipeline import ce_internals
+    from ckptctl.ce import internals as ce_internals
     print(ce_internals.installed_version())
     print(ce_internals.version_problem())
     try:
@@ -88,7 +88,7 @@ def test_the_version_is_checked_before_any_private_access(tmp_path: Path) -> Non
 def test_the_version_helpers_need_neither_torch_nor_checkpoint_engine() -> None:
     code = """
     import sys
-    from ckptctl.pipeline.ce_internals import WRITTEN_FOR, installed_version, version_problem
+    from ckptctl.ce.internals import WRITTEN_FOR, installed_version, version_problem
     assert isinstance(WRITTEN_FOR, str) and version_problem() is None, version_problem()
     assert installed_version()
     heavy = [m for m in ("torch", "checkpoint_engine", "zmq") if m in sys.modules]
@@ -123,7 +123,7 @@ def test_the_range_is_read_as_pep_440_reads_it(version: str, fits: bool) -> None
 
 
 def test_a_missing_private_attribute_is_named() -> None:
-    from ckptctl.pipeline.ce_import import engine_module
+    from ckptctl.ce.bare_import import engine_module
 
     ps = object.__new__(engine_module("ps").ParameterServer)  # (its constructor needs CUDA)
     with pytest.raises(OperationFailed, match=r"has no ParameterServer\._device_uuid, which"):
@@ -157,7 +157,7 @@ def test_every_private_name_it_uses_is_the_installed_parameter_servers() -> None
 
 
 def private_accesses(package: Path) -> list[str]:
-    """Where a module of `package` other than ce_internals.py touches a private name of
+    """Where a module of `package` other than ce/internals.py touches a private name of
     checkpoint-engine: an attribute of anything but its own `self`/`cls`, an import, or a name
     given as a string (getattr)."""
     names: set[str] = set()
@@ -172,7 +172,7 @@ def private_accesses(package: Path) -> list[str]:
     names = {n for n in names if _private(n)}
     found = []
     for path in sorted(package.rglob("*.py")):
-        if path.name == "ce_internals.py":
+        if path == Path(ce_internals.__file__):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in names:

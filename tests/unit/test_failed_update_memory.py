@@ -15,8 +15,8 @@ import weakref
 
 import pytest
 
+from ckptctl.ce.session import ParameterServerSession, drop_frames
 from ckptctl.errors import OperationFailed
-from ckptctl.pipeline.parameter_server._session import ParameterServerSession, drop_frames
 
 
 class TransferBuffer:
@@ -57,7 +57,7 @@ def _session(ps: object) -> ParameterServerSession:
 
 
 def test_the_error_of_a_failed_update_does_not_hold_its_buffers(monkeypatch) -> None:
-    import ckptctl.pipeline.parameter_server._session as module
+    import ckptctl.ce.session as module
 
     released = []
     monkeypatch.setattr(module, "release_transfer_memory", lambda: released.append(True))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckptctl.errors import UsageError
-from ckptctl.pipeline.groups import assign_group, group_handles
+from ckptctl.job.groups import assign_group, group_handles
 
 
 def _assign(rank: int, world: int, local: int, size: int, endpoints: list[str], uds=()):  # type: ignore[no-untyped-def]
@@ -71,7 +71,7 @@ def test_group_handles_slices_the_groups_sockets() -> None:
 
 @pytest.mark.parametrize("gb", [0.001, 0.5, 1, 2.3, 8])
 def test_bucket_size_is_a_whole_number_of_mib(gb: float) -> None:
-    from ckptctl.pipeline.job import bucket_size_env
+    from ckptctl.job.runner import bucket_size_env
 
     nbytes = int(float(bucket_size_env(gb)) * (1 << 30))  # what checkpoint-engine computes
     assert nbytes % (1 << 20) == 0 and nbytes > 0
@@ -88,7 +88,7 @@ def test_several_groups_on_a_node_need_a_server_each() -> None:
 
 @pytest.mark.parametrize("bad", ["localhost:19730", "http://", "ftp://host/x", "http://[bad"])
 def test_malformed_endpoints_are_usage_errors(bad: str) -> None:
-    from ckptctl.pipeline.groups import ServerTargets
+    from ckptctl.job.groups import ServerTargets
 
     with pytest.raises(UsageError, match="is not an http"):
         ServerTargets.from_flags(

@@ -15,7 +15,8 @@ import pytest
 from conftest import invoke
 from fake_server import Behaviour, FakeServer
 
-from ckptctl import bounded_http, verify
+from ckptctl import bounded_http
+from ckptctl import weights_checker as verify
 from ckptctl.inference_server import ServerAddress, parse_json_object
 
 SECURITY = Path(__file__).resolve().parents[2] / "SECURITY.md"

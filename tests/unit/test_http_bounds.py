@@ -244,7 +244,7 @@ def test_serve_a_trickling_server_fails_only_that_push(short_tmp: Path) -> None:
 def test_a_caller_that_expects_more_raises_the_cap() -> None:
     """The weights checker's checksum answer lists every parameter (about 1 MB for
     DeepSeek-V3 on TP8): it reads up to its own cap, not the default 1 MiB."""
-    from ckptctl.verify import MAX_ANSWER_BYTES, Checker
+    from ckptctl.weights_checker import MAX_ANSWER_BYTES, Checker
 
     big = {"success": True, "checksums": {f"layers.{i}.w": "0" * 64 for i in range(30_000)}}
     routes = {("POST", "/weights_checker"): lambda doc: (200, big)}

@@ -14,11 +14,11 @@ import pytest
 import torch
 from ckpt_factory import write_real_checkpoint
 
+from ckptctl.ce import internals as ce_internals
 from ckptctl.checkpoint import read_checkpoint
 from ckptctl.errors import InvalidInput, OperationFailed
-from ckptctl.pipeline import ce_internals
-from ckptctl.pipeline.host_memory import ReadProgress
-from ckptctl.pipeline.host_memory import _file_reads as reads
+from ckptctl.transfer.host_memory import ReadProgress
+from ckptctl.transfer.host_memory import _file_reads as reads
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Direct registration (pipeline/host_memory) on CPU: the layout checkpoint-engine expects and
+"""Direct registration (transfer/host_memory) on CPU: the layout checkpoint-engine expects and
 every byte read into place, for every dtype; pinning itself needs CUDA (GPU tests)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from ckpt_factory import mixed_shards, write_real_checkpoint
 from safetensors.torch import load_file
 
 from ckptctl.checkpoint import plan_split, read_checkpoint
-from ckptctl.pipeline import host_memory
-from ckptctl.pipeline.host_memory import _cuda_pinning as cuda
-from ckptctl.pipeline.host_memory import _file_reads as reads
+from ckptctl.transfer import host_memory
+from ckptctl.transfer.host_memory import _cuda_pinning as cuda
+from ckptctl.transfer.host_memory import _file_reads as reads
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_peak_rss_is_one_copy(tmp_path: Path) -> None:
     code = f"""
 import os, torch
 from ckptctl.checkpoint import read_checkpoint
-from ckptctl.pipeline.host_memory import ShareReader
+from ckptctl.transfer.host_memory import ShareReader
 def rss():
     return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
 ck = read_checkpoint({str(root)!r})
@@ -401,7 +401,7 @@ def test_reading_needs_no_torch(tmp_path: Path) -> None:
     code = f"""
 import sys
 from ckptctl.checkpoint import plan_split, read_checkpoint
-from ckptctl.pipeline.host_memory import _file_reads as reads
+from ckptctl.transfer.host_memory import _file_reads as reads
 ck = read_checkpoint({str(root)!r})
 share = plan_split(ck, 2, "auto").ranks[0]
 buckets = reads.layout(share.tensors)
@@ -456,7 +456,7 @@ def test_the_first_import_of_torch_is_timed_once() -> None:
     """A one-process job's first `import torch` falls in its start stage, which says so
     (stages.start_parameter_server): timed where torch was not imported yet, None after."""
     code = (
-        "from ckptctl.pipeline.host_memory._cuda_pinning import import_torch, torch_is_imported\n"
+        "from ckptctl.transfer.host_memory._cuda_pinning import import_torch, torch_is_imported\n"
         "before = torch_is_imported()\n"
         "first, second = import_torch(), import_torch()\n"
         "print(before, first is not None and first > 0, second, torch_is_imported())\n"
@@ -472,10 +472,10 @@ def test_torch_being_imported_is_not_imported_yet(tmp_path: Path) -> None:
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text(
-        "from ckptctl.pipeline.host_memory._cuda_pinning import torch_is_imported\nDURING = torch_is_imported()\n"
+        "from ckptctl.transfer.host_memory._cuda_pinning import torch_is_imported\nDURING = torch_is_imported()\n"
     )
     code = (
-        "from ckptctl.pipeline.host_memory._cuda_pinning import torch_is_imported\n"
+        "from ckptctl.transfer.host_memory._cuda_pinning import torch_is_imported\n"
         "import torch\n"
         "print(torch.DURING, torch_is_imported())\n"
     )

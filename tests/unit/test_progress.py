@@ -27,8 +27,8 @@ from pty_run import run_on_pty
 from rich.console import Console
 from torchrun_launch import torchrun_cmd
 
+from ckptctl.job.node_progress import NodeProgress, parse
 from ckptctl.launch import LaunchInfo
-from ckptctl.pipeline.node_progress import NodeProgress, parse
 from ckptctl.progress import ByteCounter, Reporter, RichReporter, format_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,7 +235,7 @@ def test_format_bytes() -> None:
 
 def test_direct_registration_reports_every_byte_it_reads() -> None:
     from ckptctl.checkpoint import plan_split, read_checkpoint
-    from ckptctl.pipeline.host_memory import ShareReader
+    from ckptctl.transfer.host_memory import ShareReader
 
     checkpoint = read_checkpoint(TINY)
     share = plan_split(checkpoint, 2, "tensors").ranks[1]
@@ -246,7 +246,7 @@ def test_direct_registration_reports_every_byte_it_reads() -> None:
 
 
 def test_engine_registration_counts_the_file_pages_it_maps(tmp_path: Path) -> None:
-    from ckptctl.pipeline.stages import file_pages_mapped_since_now
+    from ckptctl.transfer.stages import file_pages_mapped_since_now
 
     path = tmp_path / "data"
     path.write_bytes(os.urandom(8 << 20))
@@ -263,7 +263,7 @@ def test_the_update_counts_a_bucket_once_the_worker_loaded_it() -> None:
     import torch
     import zmq
 
-    from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket
+    from ckptctl.ce.transfer_sockets import ReplyWatchingSocket
 
     ctx = zmq.Context()
     address = f"ipc://@ckptctl-test-buckets-{os.getpid()}-{time.monotonic_ns()}"
@@ -418,7 +418,7 @@ def test_a_rank_cannot_claim_more_done_than_its_total() -> None:
 def test_the_p2p_notice_shows_only_when_asked_for(capfd: pytest.CaptureFixture[str]) -> None:
     from loguru import logger
 
-    from ckptctl.pipeline.job import configure_engine_logging
+    from ckptctl.job.runner import configure_engine_logging
 
     notice = "[rank0] fail to initialize p2p store due to import of mooncake.engine"
     configure_engine_logging(verbose=False, debug=False)

@@ -11,7 +11,7 @@ import time
 import zmq
 from conftest import wait_until
 
-from ckptctl.pipeline.parameter_server._transfer_sockets import (
+from ckptctl.ce.transfer_sockets import (
     RESCUE_PREFIX,
     ReplyWatchingSocket,
     rescue,
@@ -122,7 +122,7 @@ def test_a_handle_a_worker_took_is_left_to_the_worker() -> None:
 
 
 def test_only_a_cuda_handle_is_released() -> None:
-    from ckptctl.pipeline.parameter_server._transfer_sockets import release_ipc_reference
+    from ckptctl.ce.transfer_sockets import release_ipc_reference
 
     _FakeCudaStorage.released.clear()
     assert release_ipc_reference(("an", "ipc", "handle")) is False

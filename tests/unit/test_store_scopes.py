@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
+from ckptctl.job.coordination import Coordinator
 from ckptctl.launch import LaunchInfo
-from ckptctl.pipeline.coordination import Coordinator
 
 
 def _ranks() -> tuple[Coordinator, Coordinator]:

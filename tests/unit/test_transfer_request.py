@@ -1,4 +1,4 @@
-"""The typed request (ckptctl/pipeline/request.py): each cross-flag rule refuses with its one
+"""The typed request (ckptctl/transfer/request.py): each cross-flag rule refuses with its one
 error line and exit code, and what the flags resolve to is typed, printing as the flags' words."""
 
 from __future__ import annotations
@@ -9,13 +9,8 @@ from typing import Any
 import pytest
 
 from ckptctl.errors import CkptctlError, ExitCode
-from ckptctl.pipeline.request import (
-    P2P,
-    ROUND_TRIP,
-    VERIFY,
-    RegisterMode,
-    UpdateMethod,
-    Verify,
+from ckptctl.settings import P2P, ROUND_TRIP, VERIFY, RegisterMode, UpdateMethod, Verify
+from ckptctl.transfer.request import (
     check_join_p2p,
     check_update_flags,
     p2p_for_update,

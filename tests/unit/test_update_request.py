@@ -129,10 +129,10 @@ _RANK_SCRIPT = textwrap.dedent(
     """
     import sys, threading, time
     from ckptctl.launch import launch_info
-    from ckptctl.pipeline import stages
-    from ckptctl.pipeline.coordination import Watchdog
-    from ckptctl.pipeline.groups import ServerTargets, assign_group
-    from ckptctl.pipeline.stages import ServerRequest
+    from ckptctl.transfer import stages
+    from ckptctl.job.coordination import Watchdog
+    from ckptctl.job.groups import ServerTargets, assign_group
+    from ckptctl.transfer.stages import ServerRequest
 
     endpoint, engine, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
     # How long the transfer may take to end once the server said done: 15 s in the product,

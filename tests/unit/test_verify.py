@@ -16,7 +16,7 @@ from locations import TINY
 
 from ckptctl.errors import DeadlineExceeded, InvalidInput, OperationFailed
 from ckptctl.inference_server import ServerAddress
-from ckptctl.verify import (
+from ckptctl.weights_checker import (
     Checker,
     EngineChecksums,
     check_expected,
@@ -190,7 +190,7 @@ def _route(server: FakeServer, answer: tuple[int, Any]) -> None:
 
 
 def test_an_oversized_answer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptctl.verify as verify
+    import ckptctl.weights_checker as verify
 
     monkeypatch.setattr(verify, "MAX_ANSWER_BYTES", 1 << 16)
     with FakeServer(Behaviour()) as s:
@@ -264,7 +264,7 @@ def test_buffer_views_read_checkpoint_engines_layout() -> None:
     import torch
     from checkpoint_engine.data_types import MemoryBuffer, ParameterMeta
 
-    from ckptctl.pipeline.parameter_server import buffer_views
+    from ckptctl.ce import buffer_views
 
     tensors = {
         "a": torch.arange(3, dtype=torch.bfloat16),

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import InvalidInput
-from ckptctl.pipeline import stages
-from ckptctl.pipeline.job import Job, prepare_environment, run_job
-from ckptctl.pipeline.request import P2P, TransferRequest, check_join_p2p
-from ckptctl.pipeline.transfer import Transfer
+from ckptctl.job.runner import Job, prepare_environment, run_job
 from ckptctl.progress import Reporter
+from ckptctl.settings import P2P
+from ckptctl.transfer import stages
+from ckptctl.transfer.request import TransferRequest, check_join_p2p
+from ckptctl.transfer.sequence import Transfer
 
 
 @dataclass
@@ -32,7 +33,7 @@ class SaveMetasOptions:
 def run_save_metas(
     opts: SaveMetasOptions, reporter: Reporter, *, debug: bool = False
 ) -> dict[str, Any]:
-    from ckptctl.pipeline.parameter_server import p2p_missing
+    from ckptctl.ce import p2p_missing
 
     req = opts.request
     assert req.checkpoint_path is not None
@@ -89,8 +90,8 @@ def check_joinable(metas: dict[int, Any], path: str) -> None:
 
 
 def run_join(opts: JoinOptions, reporter: Reporter, *, debug: bool = False) -> dict[str, Any]:
+    from ckptctl.ce import p2p_missing
     from ckptctl.metas import read_metas_file
-    from ckptctl.pipeline.parameter_server import p2p_missing
 
     # Everything that can be refused is refused before the server is touched.
     metas_file = read_metas_file(opts.load_metas_file, allow_pickle=opts.allow_pickle)

@@ -1,5 +1,6 @@
-"""What a serve job keeps between pushes, typed: the executor's state (ServeState) and the
-bounded log of every push it ran (PushLog), which `ckptctl status --history` lists.
+"""What a serve job is given and keeps between pushes, typed: its options (ServeOptions), the
+executor's state (ServeState) and the bounded log of every push it ran (PushLog), which
+`ckptctl status --history` lists.
 
 ServeState is written by the push that runs (push.py, on the loop's thread) and read by
 `status` (control socket threads); every rank holds its own, alike. No torch here.
@@ -13,14 +14,30 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.defaults import PUSH_LOG_SIZE
-from ckptctl.errors import ExitCode, print_error
+from ckptctl.errors import print_error
+from ckptctl.results import outcome
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
     from ckptctl.checkpoint.plan import RankPlan
-    from ckptctl.pipeline.host_memory import PinnedPool, ShareReader
+    from ckptctl.transfer.host_memory import PinnedPool, ShareReader
+    from ckptctl.transfer.request import TransferRequest
+
+
+@dataclass
+class ServeOptions:
+    request: TransferRequest  # the servers, split and register mode every push starts from
+    control_socket: str | None = None  # None: named after the servers (control.py)
+    push_timeout: float = 600.0
+    server_wait: float = 30.0  # after the first push: how long a push waits for the server
+    restore: bool = True  # push the last whole checkpoint again after a partial failure
+    bucket_size_gb: float | None = None
+    mem_fraction: float | None = None
+    verbose: bool = False
+    drop_page_cache: bool = False  # each push's file pages, once read into pinned buffers
+    metrics: tuple[str, int] | None = None  # serve --metrics-host/--metrics-port
 
 
 @dataclass(frozen=True)
@@ -92,22 +109,6 @@ class ServeState:
     def served_tensors(self) -> int | None:
         """How many tensors the server holds from the job's pushes (None before the first)."""
         return None if self.layout is None else len(self.layout.tensors)
-
-
-def outcome(result: dict[str, Any]) -> str:
-    """How a push ended, in one word or phrase: ok, rolled back (a rollback that succeeded),
-    restored (it failed mid-transfer and the last whole push was pushed again), cancelled,
-    refused before sending (exit 3: nothing was sent), or failed."""
-    if result.get("ok"):
-        return "rolled back" if result.get("action") == "rollback" else "ok"
-    if result.get("server_weights") == "whole":
-        return "restored"
-    code = result.get("exit_code")
-    if code == ExitCode.INTERRUPTED:
-        return "cancelled"
-    if code == ExitCode.INVALID_INPUT and result.get("server_weights") is None:
-        return "refused before sending"
-    return "failed"
 
 
 class PushLog:

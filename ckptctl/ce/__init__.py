@@ -6,7 +6,7 @@ ended without ending the process, and checkpoint files never handed over for del
     session.register(name, named_tensors); session.gather(name); session.update(name, req, None)
 """
 
-from ckptctl.pipeline.parameter_server._p2p import p2p_missing
-from ckptctl.pipeline.parameter_server._session import ParameterServerSession, buffer_views
+from ckptctl.ce.p2p import p2p_missing
+from ckptctl.ce.session import ParameterServerSession, buffer_views
 
 __all__ = ["ParameterServerSession", "buffer_views", "p2p_missing"]

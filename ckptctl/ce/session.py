@@ -12,12 +12,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ckptctl.ce import internals as ce_internals
+from ckptctl.ce import p2p as _p2p
+from ckptctl.ce.transfer_sockets import ReplyWatchingSocket, TransferSockets
 from ckptctl.errors import PARTIAL_WEIGHTS_NOTE, ExitCode, InvalidInput, OperationFailed
-from ckptctl.pipeline import ce_internals
-from ckptctl.pipeline.coordination import PAST_DEADLINE_S
-from ckptctl.pipeline.parameter_server import _p2p
-from ckptctl.pipeline.parameter_server._transfer_sockets import ReplyWatchingSocket, TransferSockets
-from ckptctl.pipeline.request import P2P
+from ckptctl.job.coordination import PAST_DEADLINE_S
+from ckptctl.settings import P2P
 
 
 def _hint(exc: Exception, p2p: P2P) -> str:
@@ -82,8 +82,8 @@ class ParameterServerSession(TransferSockets):
                 "no CUDA device: every rank needs one GPU (check CUDA_VISIBLE_DEVICES); "
                 "`ckptctl update --dry-run` plans a split without one"
             )
-        from ckptctl.pipeline import process_group as pg
-        from ckptctl.pipeline.ce_import import engine_module
+        from ckptctl.ce.bare_import import engine_module
+        from ckptctl.job import process_group as pg
 
         # First, so that it overlaps everything up to the first gather.
         rank = int(os.environ["RANK"])

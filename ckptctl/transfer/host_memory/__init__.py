@@ -5,10 +5,10 @@ checkpoint-engine as the buffers it sends from (`--register-mode direct`).
     session.register_buffers(name, reader.result())            # waits, then the MemoryBuffers
 """
 
-from ckptctl.pipeline.host_memory._cuda_pinning import import_torch
-from ckptctl.pipeline.host_memory._file_reads import ReadProgress
-from ckptctl.pipeline.host_memory._pinned_pool import PinnedPool
-from ckptctl.pipeline.host_memory._share_reader import ShareReader, gc_paused, planned_buffers
+from ckptctl.transfer.host_memory._cuda_pinning import import_torch
+from ckptctl.transfer.host_memory._file_reads import ReadProgress
+from ckptctl.transfer.host_memory._pinned_pool import PinnedPool
+from ckptctl.transfer.host_memory._share_reader import ShareReader, gc_paused, planned_buffers
 
 __all__ = [
     "PinnedPool",

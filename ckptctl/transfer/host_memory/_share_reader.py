@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
 from ckptctl.checkpoint.remembered import LastResult
 from ckptctl.errors import OperationFailed
-from ckptctl.pipeline.host_memory import _cuda_pinning as cuda
-from ckptctl.pipeline.host_memory import _file_reads as reads
-from ckptctl.pipeline.host_memory._pinned_pool import PinnedPool, as_tensor, writable_view
+from ckptctl.transfer.host_memory import _cuda_pinning as cuda
+from ckptctl.transfer.host_memory import _file_reads as reads
+from ckptctl.transfer.host_memory._pinned_pool import PinnedPool, as_tensor, writable_view
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +32,8 @@ class MetaMaker:
     one memo reference in every bucket checkpoint-engine sends to the server."""
 
     def __init__(self) -> None:
+        from ckptctl.ce.bare_import import engine_module
         from ckptctl.checkpoint.loader import torch_layout
-        from ckptctl.pipeline.ce_import import engine_module
 
         self._cls = engine_module("data_types").ParameterMeta
         self._layout = torch_layout
@@ -295,7 +295,7 @@ class ShareReader:
         self.raise_if_failed()
 
     def _memory_buffers(self, metas: list[list[Any]]) -> list[Any]:
-        from ckptctl.pipeline.ce_import import engine_module
+        from ckptctl.ce.bare_import import engine_module
 
         memory_buffer = engine_module("data_types").MemoryBuffer
         return [

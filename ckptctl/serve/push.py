@@ -33,18 +33,18 @@ from ckptctl.errors import (
     UsageError,
     error_for,
 )
-from ckptctl.pipeline.coordination import describe_abort
-from ckptctl.pipeline.job import Job
-from ckptctl.pipeline.request import RegisterMode
-from ckptctl.pipeline.serve.state import ServedLayout, ServeState, Staged
+from ckptctl.job.coordination import describe_abort
+from ckptctl.job.runner import Job
+from ckptctl.serve.state import ServedLayout, ServeState, Staged
+from ckptctl.settings import RegisterMode
 
 if TYPE_CHECKING:
+    from ckptctl.ce import ParameterServerSession
     from ckptctl.checkpoint import Checkpoint, Plan, RankPlan
-    from ckptctl.pipeline.groups import GroupAssignment
-    from ckptctl.pipeline.host_memory import ShareReader
-    from ckptctl.pipeline.parameter_server import ParameterServerSession
-    from ckptctl.pipeline.serve.run import ServeOptions
-    from ckptctl.pipeline.stages import ServerRequest
+    from ckptctl.job.groups import GroupAssignment
+    from ckptctl.serve.state import ServeOptions
+    from ckptctl.transfer.host_memory import ShareReader
+    from ckptctl.transfer.stages import ServerRequest
 
 Executor = Any  # Callable[[Job, dict], dict] (loop.py)
 
@@ -205,8 +205,8 @@ def gpu_executor(
     """One command: a push (the transfer of `update`, then the previous checkpoint is
     unregistered), or a restore / rollback, which pushes an earlier whole checkpoint again
     (`command["restores"]`: its push's seq) if its files have not changed since."""
-    from ckptctl.pipeline import overlap, stages
-    from ckptctl.pipeline.transfer import Transfer
+    from ckptctl.transfer import overlap, stages
+    from ckptctl.transfer.sequence import Transfer
 
     # From the second push on, a pool's buffers are handed over while they are read.
     gate = overlap.Gate(session) if state.pool is not None else None

@@ -130,7 +130,7 @@ class DriverPin:
         may come from NVML) and the same PCI address. Any error says no."""
         import torch
 
-        from ckptctl.pipeline.process_group import local_device_index
+        from ckptctl.job.process_group import local_device_index
 
         try:
             index = local_device_index(rank)
@@ -197,6 +197,6 @@ def use_this_ranks_gpu() -> None:
     import torch
 
     if torch.cuda.is_available():
-        from ckptctl.pipeline.process_group import local_device_index
+        from ckptctl.job.process_group import local_device_index
 
         torch.cuda.set_device(local_device_index(int(os.environ.get("RANK", "0"))))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING, Any
 
-from ckptctl.pipeline.host_memory import _cuda_pinning as cuda
-from ckptctl.pipeline.host_memory._file_reads import anonymous_memory
+from ckptctl.transfer.host_memory import _cuda_pinning as cuda
+from ckptctl.transfer.host_memory._file_reads import anonymous_memory
 
 if TYPE_CHECKING:
     import torch

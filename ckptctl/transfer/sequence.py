@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ckptctl.pipeline import stages
-from ckptctl.pipeline.request import P2P, RegisterMode, TransferRequest
-from ckptctl.pipeline.verification import (
+from ckptctl.settings import P2P, RegisterMode
+from ckptctl.transfer import stages
+from ckptctl.transfer.request import TransferRequest
+from ckptctl.transfer.verification import (
     check_offers,
     check_weights,
     round_trip_reset,
@@ -25,11 +26,11 @@ from ckptctl.pipeline.verification import (
 )
 
 if TYPE_CHECKING:
+    from ckptctl.ce import ParameterServerSession
     from ckptctl.checkpoint import Checkpoint, Plan, RankPlan
-    from ckptctl.pipeline.groups import GroupAssignment
-    from ckptctl.pipeline.host_memory import ShareReader
-    from ckptctl.pipeline.job import Job
-    from ckptctl.pipeline.parameter_server import ParameterServerSession
+    from ckptctl.job.groups import GroupAssignment
+    from ckptctl.job.runner import Job
+    from ckptctl.transfer.host_memory import ShareReader
 
 
 class PushGuard(Protocol):

@@ -1,5 +1,5 @@
 """The serve job's control socket, server side: the one part of `serve` that other users can
-reach. Its client half is ckptctl._control_client.
+reach. Its client half is ckptctl.serve.control_client.
 
 What it trusts: a process of the job owner's uid, and nothing else. Four checks make it so:
 
@@ -10,7 +10,7 @@ What it trusts: a process of the job owner's uid, and nothing else. Four checks 
 - the server reads every connection's peer credentials (SO_PEERCRED) and answers another uid
   403 without parsing a byte of its request;
 - a client checks, before connecting, that the path is a socket owned by the user and, once
-  connected, that the process listening runs as the user (SO_PEERCRED again; _control_client).
+  connected, that the process listening runs as the user (SO_PEERCRED again; control_client.py).
 
 `--control-socket PATH` may put it elsewhere: then an existing file at PATH that is not a
 socket is refused (never deleted), a socket of another user is refused, a socket of the user

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ckptctl.errors import CkptctlError, ExitCode, OperationFailed
+from ckptctl.job.coordination import PAST_DEADLINE_S, Coordinator, StoppedByPeer, Watchdog
+from ckptctl.job.node_progress import NodeProgress
 from ckptctl.launch import LaunchInfo, launch_info
 from ckptctl.observe import timeline
-from ckptctl.pipeline.coordination import PAST_DEADLINE_S, Coordinator, StoppedByPeer, Watchdog
-from ckptctl.pipeline.node_progress import NodeProgress
 from ckptctl.progress import Reporter
 
 T = TypeVar("T")

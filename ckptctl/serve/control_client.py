@@ -2,7 +2,7 @@
 before and after connecting, and one bounded HTTP request over it (`push`, `status`, `stop`
 and ckptctl.client).
 
-The server half and where sockets live are ckptctl.pipeline.serve.control; a client trusts a
+The server half and where sockets live are ckptctl.serve.control; a client trusts a
 socket only if its file and the process listening on it are this user's. No torch here.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl.errors import DeadlineExceeded, OperationFailed, UsageError
-from ckptctl.pipeline.serve.control import SOCKET_GLOB, check_private_dir, socket_dirs, targets_key
+from ckptctl.serve.control import SOCKET_GLOB, check_private_dir, socket_dirs, targets_key
 from ckptctl.unix_peers import peer_uid
 
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024  # a push's answer carries every rank's figures

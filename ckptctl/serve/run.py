@@ -2,35 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from ckptctl.pipeline.coordination import Coordinator
-from ckptctl.pipeline.job import Job
-from ckptctl.pipeline.request import P2P, RegisterMode, TransferRequest
-from ckptctl.pipeline.serve.control import check_socket_path, default_socket_path, job_targets
-from ckptctl.pipeline.serve.loop import serve_loop
-from ckptctl.pipeline.serve.push import HARD_GRACE_S, gpu_executor
-from ckptctl.pipeline.serve.state import ServeState
-
-
-@dataclass
-class ServeOptions:
-    request: TransferRequest  # the servers, split and register mode every push starts from
-    control_socket: str | None = None  # None: named after the servers (control.py)
-    push_timeout: float = 600.0
-    server_wait: float = 30.0  # after the first push: how long a push waits for the server
-    restore: bool = True  # push the last whole checkpoint again after a partial failure
-    bucket_size_gb: float | None = None
-    mem_fraction: float | None = None
-    verbose: bool = False
-    drop_page_cache: bool = False  # each push's file pages, once read into pinned buffers
-    metrics: tuple[str, int] | None = None  # serve --metrics-host/--metrics-port
+from ckptctl.job.coordination import Coordinator
+from ckptctl.job.runner import Job
+from ckptctl.serve.control import check_socket_path, default_socket_path, job_targets
+from ckptctl.serve.loop import serve_loop
+from ckptctl.serve.push import HARD_GRACE_S, gpu_executor
+from ckptctl.serve.state import ServeOptions, ServeState
+from ckptctl.settings import P2P, RegisterMode
 
 
 def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict[str, Any]:
-    from ckptctl.pipeline import stages
-    from ckptctl.pipeline.job import prepare_environment, run_job
+    from ckptctl.job.runner import prepare_environment, run_job
+    from ckptctl.transfer import stages
 
     launch = prepare_environment(bucket_size_gb=opts.bucket_size_gb, mem_fraction=opts.mem_fraction)
     servers = opts.request.servers
@@ -60,7 +45,7 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
         # start-up instead of failing every push.
         stages.build_group(job, session)
         if opts.request.register_mode is RegisterMode.direct:
-            from ckptctl.pipeline.host_memory import PinnedPool
+            from ckptctl.transfer.host_memory import PinnedPool
 
             state.pool = PinnedPool()  # pinned once, refilled by every push
         ended = serve_loop(

@@ -28,14 +28,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ckptctl.ce import internals as ce_internals
 from ckptctl.errors import CkptctlError, ExitCode, OperationFailed
 from ckptctl.observe import timeline
-from ckptctl.pipeline import ce_internals
 
 if TYPE_CHECKING:
-    from ckptctl.pipeline.host_memory import ShareReader
-    from ckptctl.pipeline.job import Job
-    from ckptctl.pipeline.parameter_server import ParameterServerSession
+    from ckptctl.ce import ParameterServerSession
+    from ckptctl.job.runner import Job
+    from ckptctl.transfer.host_memory import ShareReader
 
 # One host-to-device copy at most: small enough that the copies follow the reader closely,
 # large enough that the copy engine runs at its full rate.

@@ -151,7 +151,7 @@ def forget_checkpoint(ps: Any, name: str) -> None:
 def own_facts(ps: Any, name: str) -> dict[str, Any]:
     """What this rank adds to a shared plan for a planned gather: its buffers' addresses, sizes
     and tensor counts, its host, GPU and p2p store (what gather_metas sends)."""
-    from ckptctl.pipeline.ce_import import engine_module
+    from ckptctl.ce.bare_import import engine_module
 
     own = _require(ps, "_memory_pool", "_p2p_store", "_device_uuid", "_rdma_device").get(name, [])
     return {
@@ -172,7 +172,7 @@ def apply_gathered(
     and the plan's buffers: the global metas (ranks without buffers left out), the hosts and
     GPU UUIDs (kept from the first gather), the RDMA topology. tests/torchrun/test_engine_internals.py
     runs gather_metas beside this and compares everything either sets."""
-    from ckptctl.pipeline.ce_import import engine_module
+    from ckptctl.ce.bare_import import engine_module
 
     _require(ps, "_gpu_count", "_all_hosts", "_global_device_uuids", "_local_rdma_devices")
     types = engine_module("data_types")

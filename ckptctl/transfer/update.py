@@ -1,4 +1,4 @@
-"""`update`: the transfer (pipeline/transfer.py) from a checkpoint's files, on every rank.
+"""`update`: the transfer (transfer/sequence.py) from a checkpoint's files, on every rank.
 
 Registration comes before waiting for the server, so loading the checkpoint overlaps the
 server's own start-up (`--load-format dummy`). Every wait is bounded by the watchdog (see
@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckptctl.pipeline import stages
-from ckptctl.pipeline.job import Job, prepare_environment, run_job
-from ckptctl.pipeline.request import TransferRequest, p2p_for_update
-from ckptctl.pipeline.transfer import Transfer
+from ckptctl.job.runner import Job, prepare_environment, run_job
 from ckptctl.progress import Reporter
+from ckptctl.transfer import stages
+from ckptctl.transfer.request import TransferRequest, p2p_for_update
+from ckptctl.transfer.sequence import Transfer
 
 
 @dataclass
@@ -29,7 +29,7 @@ class UpdateOptions:
 
 def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) -> dict[str, Any]:
     """Run every stage on this rank. Returns the job's summary (complete on rank 0)."""
-    from ckptctl.pipeline.parameter_server import p2p_missing
+    from ckptctl.ce import p2p_missing
 
     req = opts.request
     assert req.checkpoint_path is not None

@@ -1,5 +1,5 @@
 """`--verify` and `--verify-round-trip`: the stages around the push that prove what the servers
-hold (the HTTP contract and the hashing are in ckptctl/verify.py).
+hold (the HTTP contract and the hashing are in ckptctl/weights_checker.py).
 
     check_offers      before the push: what each server's weights checker offers, so how to
                       verify; exit 3 when it cannot be done, before anything is pushed
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import OperationFailed
-from ckptctl.pipeline.groups import GroupAssignment
-from ckptctl.pipeline.job import Job
-from ckptctl.pipeline.request import Verify
+from ckptctl.job.groups import GroupAssignment
+from ckptctl.job.runner import Job
+from ckptctl.settings import Verify
 
 if TYPE_CHECKING:
-    from ckptctl.pipeline.host_memory import ShareReader
-    from ckptctl.pipeline.parameter_server import ParameterServerSession
+    from ckptctl.ce import ParameterServerSession
+    from ckptctl.transfer.host_memory import ShareReader
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Verification:
 
 
 def _checker(job: Job, assignment: GroupAssignment) -> Any:
-    from ckptctl.verify import Checker
+    from ckptctl.weights_checker import Checker
 
     assert assignment.address is not None
     return Checker(assignment.address, deadline=time.monotonic() + job.watchdog.remaining())
@@ -63,7 +63,7 @@ def check_offers(
 ) -> Verification:
     """Ask every server what it offers and decide which of `ways` to verify by (InvalidInput
     if none). hashes: whether this job registered tensors it could hash (not join)."""
-    from ckptctl.verify import COMPARE_CHECKSUM, VERIFY_HOWS, plan_verification, probe
+    from ckptctl.weights_checker import COMPARE_CHECKSUM, VERIFY_HOWS, plan_verification, probe
 
     with job.reporter.stage("checker", "asking the servers' weights checkers") as st:
         mine: dict[str, Any] = {}
@@ -90,7 +90,7 @@ def start_hashing(
     `reader` (which may still be filling them: overlap.py) has read them."""
     if verification.how is not Verify.checksum:
         return
-    from ckptctl.verify import BackgroundHasher, hashing_threads
+    from ckptctl.weights_checker import BackgroundHasher, hashing_threads
 
     threads = hashing_threads(job.launch.local_world_size)
     ready = None if reader is None else reader.wait_read
@@ -124,7 +124,7 @@ def check_weights(
     tensor_names: set[str] | None = None,
 ) -> dict[str, Any]:
     """After the push: prove it. Returns what was verified (complete on rank 0)."""
-    from ckptctl.verify import VERIFY_HOWS
+    from ckptctl.weights_checker import VERIFY_HOWS
 
     how = verification.how
     with job.reporter.stage("check_weights", f"checking {VERIFY_HOWS[how]}") as st:
@@ -141,7 +141,7 @@ def _check_sha256(
     job: Job, assignment: GroupAssignment, verification: Verification, tensor_names: set[str]
 ) -> str:
     """Each rank's SHA-256s reach every leader, which sends the whole set to its server."""
-    from ckptctl.verify import check_expected
+    from ckptctl.weights_checker import check_expected
 
     hasher = verification.hasher
     assert hasher is not None
@@ -179,7 +179,7 @@ def _check_sha256(
 
 def _check_agreement(job: Job, assignment: GroupAssignment, verification: Verification) -> str:
     """Every leader reads its server's checksums; rank 0 compares them all."""
-    from ckptctl.verify import CHECKSUM, EngineChecksums, compare_engines, parse_checksums
+    from ckptctl.weights_checker import CHECKSUM, EngineChecksums, compare_engines, parse_checksums
 
     mine: dict[str, Any] = {}
     if assignment.is_leader:
@@ -208,7 +208,7 @@ def _check_agreement(job: Job, assignment: GroupAssignment, verification: Verifi
 
 def _check_round_trip(job: Job, assignment: GroupAssignment, verification: Verification) -> str:
     """Every leader has its server compare with the snapshot it took before the reset."""
-    from ckptctl.verify import round_trip_compare
+    from ckptctl.weights_checker import round_trip_compare
 
     verification.details["scope"] = "TP rank 0 of each server (only it answers SGLang's compare)"
     if not assignment.is_leader:

@@ -19,21 +19,21 @@ import httpx
 from ckptctl.checkpoint.remembered import LastResult
 from ckptctl.errors import DeadlineExceeded, ExitCode, InvalidInput, OperationFailed
 from ckptctl.inference_server import ServerAddress
+from ckptctl.job.coordination import PAST_DEADLINE_S, StoppedByPeer, abort_error
+from ckptctl.job.groups import GroupAssignment, ServerTargets, group_handles
+from ckptctl.job.runner import Job
 from ckptctl.observe import timeline
-from ckptctl.pipeline.coordination import PAST_DEADLINE_S, StoppedByPeer, abort_error
-from ckptctl.pipeline.groups import GroupAssignment, ServerTargets, group_handles
-from ckptctl.pipeline.job import Job
-from ckptctl.pipeline.request import P2P, RegisterMode
 from ckptctl.progress import Reporter, format_bytes
+from ckptctl.settings import P2P, RegisterMode
 
 if TYPE_CHECKING:
     import signal
 
+    from ckptctl.ce import ParameterServerSession
     from ckptctl.checkpoint import Checkpoint, Plan, RankPlan
+    from ckptctl.job.coordination import Watchdog
     from ckptctl.launch import LaunchInfo
-    from ckptctl.pipeline.coordination import Watchdog
-    from ckptctl.pipeline.host_memory import PinnedPool, ShareReader
-    from ckptctl.pipeline.parameter_server import ParameterServerSession
+    from ckptctl.transfer.host_memory import PinnedPool, ShareReader
 
 # After the server says "done", the IPC transfer must finish within this many seconds: SGLang
 # and vLLM answer only once their workers have loaded every bucket.
@@ -46,7 +46,7 @@ def read_and_plan(checkpoint_path: str, world_size: int, split: str) -> tuple[Ch
     """(checkpoint, plan): the headers read and the split planned, with the garbage collector
     paused meanwhile (tens of thousands of tensors, no cyclic garbage)."""
     from ckptctl.checkpoint import plan_split, read_checkpoint
-    from ckptctl.pipeline.host_memory import gc_paused
+    from ckptctl.transfer.host_memory import gc_paused
 
     with gc_paused():
         checkpoint = read_checkpoint(checkpoint_path)
@@ -192,9 +192,9 @@ def start_parameter_server(
 ) -> ParameterServerSession:
     """longest_wait_s: how long the job may wait in one collective before its watchdog ends it
     (default: the job's timeout); NCCL's own timeout is set past it (group_timeout_s)."""
-    from ckptctl.pipeline.host_memory import import_torch
-    from ckptctl.pipeline.parameter_server import ParameterServerSession
-    from ckptctl.pipeline.process_group import group_timeout_s
+    from ckptctl.ce import ParameterServerSession
+    from ckptctl.job.process_group import group_timeout_s
+    from ckptctl.transfer.host_memory import import_torch
 
     with job.reporter.stage("start", "starting checkpoint-engine's parameter server") as st:
         # A job of one process has joined no store yet, so its first `import torch` falls
@@ -233,7 +233,7 @@ def prefetch_share(
     share's file pages are dropped from the page cache once read."""
     if mode != RegisterMode.direct:
         return None
-    from ckptctl.pipeline.host_memory import ShareReader
+    from ckptctl.transfer.host_memory import ShareReader
 
     on_read = reporter.counter("register").add if reporter is not None else None
     return ShareReader(

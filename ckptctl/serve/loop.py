@@ -34,13 +34,13 @@ from ckptctl.errors import (
     ExitCode,
     OperationFailed,
 )
+from ckptctl.job.runner import Job
 from ckptctl.observe import timeline
-from ckptctl.pipeline.job import Job
-from ckptctl.pipeline.serve.commands import TICK_TIMEOUT_S, CommandChannel
-from ckptctl.pipeline.serve.control import ControlServer, Handler, default_socket_path
-from ckptctl.pipeline.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock
-from ckptctl.pipeline.serve.state import PushLog, ServeState
 from ckptctl.progress import StageFigures, StageLog
+from ckptctl.serve.commands import TICK_TIMEOUT_S, CommandChannel
+from ckptctl.serve.control import ControlServer, Handler, default_socket_path
+from ckptctl.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock
+from ckptctl.serve.state import PushLog, ServeState
 
 Executor = Callable[[Job, dict[str, Any]], dict[str, Any]]
 

@@ -1,1 +1,0 @@
-"""The update pipeline: grouping, coordination, the ParameterServer, the stages."""

@@ -1,0 +1,59 @@
+"""The words every layer shares for what a command was asked: one enum per set of values
+(how a share is registered, how weights reach the servers, how they are proven, whether the
+p2p store starts). The CLI offers them as flag choices as they are; they are str-valued, so a
+JSON result shows the same words. No imports beyond the standard library: the CLI starts fast.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Word(str, Enum):
+    """A str-valued enum that prints as its value (also in f-strings, on every Python)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class RegisterMode(Word):
+    """How a rank's share reaches pinned memory."""
+
+    engine = "engine"  # checkpoint-engine copies it from the file mapping
+    direct = "direct"  # read straight into buffers pinned in place (pinning.py)
+    consume = "consume"  # --consume-shm-files: /dev/shm files pinned in place, then deleted
+
+
+class UpdateMethod(Word):
+    broadcast = "broadcast"
+    p2p = "p2p"
+    all = "all"  # broadcast, then p2p
+
+    @property
+    def broadcasts(self) -> bool:
+        return self is not UpdateMethod.p2p
+
+    @property
+    def uses_p2p(self) -> bool:
+        return self is not UpdateMethod.broadcast
+
+
+class Verify(Word):
+    """A way to prove what the servers hold (the words of a result's `"verified"`)."""
+
+    checksum = "checksum"  # the SHA-256 of every tensor (compare_checksum)
+    per_engine = "per-engine"  # the same per-engine checksum on every server
+    round_trip = "round-trip"  # snapshot, reset_tensors, update, compare
+
+
+# What each flag accepts, strongest first: the servers' offers decide among them.
+VERIFY = (Verify.checksum, Verify.per_engine)  # --verify
+ROUND_TRIP = (Verify.round_trip,)  # --verify-round-trip
+
+
+class P2P(Word):
+    """Whether the parameter server starts checkpoint-engine's p2p store (mooncake)."""
+
+    off = "off"  # never imported
+    optional = "optional"  # used if it starts (a joinable metas file)
+    required = "required"  # p2p/all updates, join
