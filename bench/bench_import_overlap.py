@@ -55,9 +55,9 @@ def rank_main(path: str, mode: str, rank: int) -> None:
     os.environ["RANK"] = str(rank)
     reader = None
     if mode != "none":
-        from ckptctl.pipeline import host_memory
-        from ckptctl.pipeline.host_memory import _cuda_pinning, _file_reads
-        from ckptctl.pipeline.stages import read_and_plan
+        from ckptctl.transfer import host_memory
+        from ckptctl.transfer.host_memory import _cuda_pinning, _file_reads
+        from ckptctl.transfer.stages import read_and_plan
 
         if mode == "read":
             _file_reads._Populate.__call__ = lambda self, run: None  # type: ignore[method-assign]
@@ -157,7 +157,7 @@ def main() -> None:
         rank_main(str(ckpt), args.mode, args.rank)
         return
 
-    from bench_update import write_checkpoint
+    from _support.ckpt_factory import write_checkpoint
 
     if not any(ckpt.glob("*.safetensors")):
         write_checkpoint(ckpt, args.model)

@@ -23,17 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _support.ckpt_factory import MODELS, write_checkpoint
+from _support.limits import h2d_bandwidth, limit_read
 from _support.torchrun_launch import torchrun_cmd
 from bench_serve import set_receiver
-from bench_stages import limit_read
 from bench_update import (
-    MODELS,
     all_received,
-    h2d_bandwidth,
     report,
     run_seed,
     start_receiver,
-    write_checkpoint,
     write_results,
 )
 

@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _support.ckpt_factory import MODELS, write_checkpoint
 from _support.torchrun_launch import torchrun_cmd
 from bench_update import (
-    MODELS,
     all_received,
     report,
     start_receiver,
-    write_checkpoint,
     write_results,
 )
 

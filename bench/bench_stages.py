@@ -30,18 +30,16 @@ previous run's), with the commit, date and machine.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import pickle
 import platform
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from _support.ckpt_factory import drop_cache
+from _support.limits import limit_read
 from bench_plan import timed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,48 +50,9 @@ CHUNK = 64 << 20
 # -- reading -------------------------------------------------------------------------------------
 
 
-def limit_read(files: list[Path], threads: int, fresh: bool) -> float:
-    """GB/s of `threads` threads reading every file in 64 MiB preadv pieces: into a buffer of
-    their own that is reused (the ceiling) or into fresh anonymous memory (faulted in as ours)."""
-    pieces = [(f, at) for f in files for at in range(0, f.stat().st_size, CHUNK)]
-    fds = {f: os.open(f, os.O_RDONLY) for f in files}
-    taken = iter(range(len(pieces)))
-    lock = threading.Lock()
-    total = [0]
-
-    def work() -> None:
-        own = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        done = 0
-        while True:
-            with lock:
-                i = next(taken, None)
-            if i is None:
-                break
-            f, at = pieces[i]
-            target = own
-            if fresh:  # as ckptctl allocates: private, anonymous
-                target = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            done += os.preadv(fds[f], [target], at)
-            if fresh:
-                target.close()
-        with lock:
-            total[0] += done
-
-    workers = [threading.Thread(target=work) for _ in range(threads)]
-    t0 = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    seconds = time.perf_counter() - t0
-    for fd in fds.values():
-        os.close(fd)
-    return total[0] / seconds / 1e9
-
-
 def ours_read(checkpoint: Any, share: Any, threads: int | None) -> dict[str, Any]:
-    from ckptctl.pipeline.host_memory import ShareReader
-    from ckptctl.pipeline.host_memory._file_reads import layout, read_runs
+    from ckptctl.transfer.host_memory import ShareReader
+    from ckptctl.transfer.host_memory._file_reads import layout, read_runs
 
     reader = ShareReader(checkpoint, share.tensors, threads, pin=False)
     reader.wait()
@@ -152,9 +111,9 @@ def read_section(checkpoint: Any, share: Any, threads: list[int], repeat: int) -
 def engine_style_metas(plan: Any) -> dict[int, list[tuple[int, list[Any]]]]:
     """Every rank's metas as validated ParameterMetas, one torch.Size per tensor (what
     checkpoint-engine's register_checkpoint and gather_metas hand around)."""
+    from ckptctl.ce.bare_import import engine_module
     from ckptctl.checkpoint.loader import torch_layout
-    from ckptctl.pipeline.ce_import import engine_module
-    from ckptctl.pipeline.host_memory._file_reads import aligned, layout
+    from ckptctl.transfer.host_memory._file_reads import aligned, layout
 
     meta_cls = engine_module("data_types").ParameterMeta
     out = {}
@@ -179,8 +138,8 @@ def global_metas(
 ) -> tuple[dict[int, Any], Any]:
     from collections import defaultdict
 
-    from ckptctl.pipeline.ce_import import engine_module
-    from ckptctl.pipeline.ce_internals import apply_gathered
+    from ckptctl.ce.bare_import import engine_module
+    from ckptctl.ce.internals import apply_gathered
 
     ps = object.__new__(engine_module("ps").ParameterServer)
     ps._gpu_count, ps._all_hosts, ps._global_device_uuids = world, [], []
@@ -202,8 +161,8 @@ def global_metas(
 
 
 def gather_section(plan: Any, repeat: int) -> dict[str, Any]:
-    from ckptctl.pipeline.ce_import import engine_module
-    from ckptctl.pipeline.host_memory import gc_paused, planned_buffers
+    from ckptctl.ce.bare_import import engine_module
+    from ckptctl.transfer.host_memory import gc_paused, planned_buffers
 
     types = engine_module("data_types")
     out: dict[str, Any] = {}
@@ -248,8 +207,8 @@ def update_section(
 ) -> dict[str, Any]:
     import torch
 
-    from ckptctl.pipeline.ce_import import engine_module
-    from ckptctl.pipeline.host_memory import gc_paused
+    from ckptctl.ce.bare_import import engine_module
+    from ckptctl.transfer.host_memory import gc_paused
 
     ps_mod = engine_module("ps")
     worker = engine_module("worker")
@@ -318,14 +277,14 @@ IMPORTS = {
     "import torch": "import torch\n",
     "import checkpoint_engine.ps": "import checkpoint_engine.ps\n",
     "engine_module('ps') (ckptctl)": (
-        "from ckptctl.pipeline.ce_import import engine_module\nengine_module('ps')\n"
+        "from ckptctl.ce.bare_import import engine_module\nengine_module('ps')\n"
     ),
 }
 
 EARLY = """
 import sys
 from ckptctl.checkpoint import plan_split, read_checkpoint
-from ckptctl.pipeline.host_memory import ShareReader, gc_paused
+from ckptctl.transfer.host_memory import ShareReader, gc_paused
 def plan_and_read():
     with gc_paused():
         ck = read_checkpoint({path!r})
@@ -371,13 +330,13 @@ def split_section(path: Path, world: int, repeat: int) -> dict[str, Any]:
     import gc
 
     from ckptctl.checkpoint import plan_split, read_checkpoint
-    from ckptctl.pipeline.host_memory import gc_paused
-    from ckptctl.pipeline.stages import plan_fingerprint
+    from ckptctl.transfer.host_memory import gc_paused
+    from ckptctl.transfer.stages import plan_fingerprint
 
     out: dict[str, Any] = {}
     code = (
         "import time\nfrom ckptctl.checkpoint import plan_split, read_checkpoint\n"
-        "from ckptctl.pipeline.host_memory import gc_paused\nt0 = time.perf_counter()\n"
+        "from ckptctl.transfer.host_memory import gc_paused\nt0 = time.perf_counter()\n"
         f"with gc_paused():\n    plan_split(read_checkpoint({str(path)!r}), {world}, 'auto')\n"
         "print(time.perf_counter() - t0)\n"
     )
@@ -396,7 +355,7 @@ def split_section(path: Path, world: int, repeat: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    from bench_update import MODELS, write_checkpoint
+    from _support.ckpt_factory import MODELS, write_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="deepseek-v3-small")
@@ -430,7 +389,7 @@ def main() -> None:
         ck.total_bytes,
         len(ck.files),
     )
-    from ckptctl.pipeline.host_memory._file_reads import read_threads
+    from ckptctl.transfer.host_memory._file_reads import read_threads
 
     doc["read_threads_default"] = read_threads()
     doc["read"] = read_section(ck, plan.ranks[0], threads, args.repeat)

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _support.ckpt_factory import MODELS, drop_cache, write_checkpoint
+from _support.limits import h2d_bandwidth, read_limits
 from _support.torchrun_launch import free_port, torchrun_cmd
 from result_files import RESULTS, write_results
 
@@ -39,97 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
 
-# -- the checkpoint ----------------------------------------------------------------------------
-
-
-# name: (tensor specs, shard size). Qwen3 in HF's 4 GiB shards; the DeepSeek-V3 layout at small
-# widths in 53 MB shards, 56 of them, as many as the real one's per GB is not (issue 16).
-MODELS = {
-    "qwen3-0.6b": ("qwen3_0_6b", 4 * GiB),
-    "qwen3-4b": ("qwen3_4b", 4 * GiB),
-    "qwen3-8b": ("qwen3_8b", 4 * GiB),
-    "qwen3-32b": ("qwen3_32b", 4 * GiB),
-    "deepseek-v3-small": ("deepseek_v3_small", 53_000_000),
-}
-
-
-def write_checkpoint(
-    root: Path, model: str, seed: int = 20261129, specs: list[Any] | None = None
-) -> tuple[int, int]:
-    """Write shards of random bytes (made on the GPU when there is one: fast) with real headers
-    and an index.json; (bytes, tensors). `specs` (model_shapes' (name, dtype, shape)) stand in
-    for `model`'s when given."""
-    import torch
-    from _support import model_shapes
-    from _support.ckpt_factory import header_bytes, nbytes, shard, shard_names, write_index
-
-    specs_of, shard_bytes = MODELS.get(model, ("", 4 * GiB))
-    if specs is None:
-        specs = list(getattr(model_shapes, specs_of)())
-    root.mkdir(parents=True, exist_ok=True)
-    shards = shard(specs, shard_bytes)
-    names = shard_names(len(shards))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=device).manual_seed(seed)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for name, group in zip(names, shards, strict=True):
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for tensor_name, dtype, shape in group:
-            size = nbytes(dtype, shape)
-            header[tensor_name] = {
-                "dtype": dtype,
-                "shape": list(shape),
-                "data_offsets": [offset, offset + size],
-            }
-            offset += size
-            weight_map[tensor_name] = name
-        with open(root / name, "wb") as fh:
-            fh.write(header_bytes(header))
-            left = offset
-            while left:
-                n = min(left, 512 << 20)
-                chunk = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=gen)
-                fh.write(chunk.cpu().numpy().tobytes())
-                left -= n
-        total += offset
-    write_index(root, weight_map, total)
-    return total, len(specs)
-
-
 # -- the limits ----------------------------------------------------------------------------------
-
-
-def h2d_bandwidth(pinned: bool, nbytes: int = 4 * GiB, repeat: int = 3) -> float:
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    src.fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=pinned)
-    torch.cuda.synchronize()
-    best = 0.0
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=pinned)
-        torch.cuda.synchronize()
-        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
-    return best
-
-
-def read_limits(files: list[Path], threads: list[int]) -> dict[str, Any]:
-    """The page cache's limit with each thread count (warm: read everything once first) and
-    the disk's with the most threads (cold: each file dropped from the cache first)."""
-    from bench_stages import drop_cache, limit_read
-
-    for f in files:
-        subprocess.run(["cat", str(f)], stdout=subprocess.DEVNULL, check=True)
-    warm = {n: round(limit_read(files, n, fresh=False), 2) for n in threads}
-    drop_cache(files)
-    cold = round(limit_read(files, max(threads), fresh=False), 2)
-    return {"warm_read_gb_s_by_threads": warm, "warm_read_gb_s": max(warm.values()),
-            "cold_read_gb_s": cold, "cold_read_threads": max(threads)}  # fmt: skip
 
 
 _BARE = (
@@ -286,7 +198,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from bench_stages import drop_cache
 
     ckpt = Path(args.workdir) / args.model
     t0 = time.perf_counter()

@@ -88,7 +88,7 @@ def bench_hash(
     import numpy as np
     from _support.ckpt_factory import nbytes
 
-    from ckptctl.verify import sha256_tensors
+    from ckptctl.weights_checker import sha256_tensors
 
     share = largest_share(specs, world)
     sizes = [nbytes(s[1], s[2]) for s in share]  # largest first
@@ -205,7 +205,8 @@ def httpx_reset(endpoint: str) -> None:
 
 def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from bench_update import start_receiver, write_checkpoint
+    from _support.ckpt_factory import write_checkpoint
+    from bench_update import start_receiver
 
     out = Path(args.logs or Path(args.workdir) / "logs")  # each run's stderr
     out.mkdir(parents=True, exist_ok=True)
@@ -296,7 +297,7 @@ def _s(x: float | None) -> str:
 
 
 def _threads(local_world: int) -> int:
-    from ckptctl.verify import hashing_threads
+    from ckptctl.weights_checker import hashing_threads
 
     return hashing_threads(local_world)
 

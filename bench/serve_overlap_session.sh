@@ -19,8 +19,8 @@ python3 - "$work" "$out/limits.json" <<'PY' || exit 1
 import json, sys, time
 from pathlib import Path
 sys.path[:0] = ["bench"]
-from bench_update import h2d_bandwidth, write_checkpoint
-from bench_stages import limit_read
+from _support.ckpt_factory import write_checkpoint
+from _support.limits import h2d_bandwidth, limit_read
 work, dest = Path(sys.argv[1]), Path(sys.argv[2])
 t0 = time.perf_counter()
 for name, seed in (("qwen3-8b", 20261129), ("qwen3-8b-serve-1", 1001)):

@@ -9,6 +9,7 @@ import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ckptctl.checkpoint.headers import DTYPE_BITS
 
@@ -357,3 +358,61 @@ MALFORMED = {
     "duplicate tensor": (_duplicate_tensor, ["'same'", "a.safetensors", "b.safetensors"]),
     "fifo": (_fifo, ["model.safetensors", "not a regular file"]),
 }
+
+
+# -- the benchmarks' checkpoints: real model shapes, random bytes ----------------------------
+
+# name: (tensor specs, shard size). Qwen3 in HF's 4 GiB shards; the DeepSeek-V3 layout at small
+# widths in 53 MB shards, 56 of them, as many as the real one's per GB is not (issue 16).
+MODELS = {
+    "qwen3-0.6b": ("qwen3_0_6b", 4 * GiB),
+    "qwen3-4b": ("qwen3_4b", 4 * GiB),
+    "qwen3-8b": ("qwen3_8b", 4 * GiB),
+    "qwen3-32b": ("qwen3_32b", 4 * GiB),
+    "deepseek-v3-small": ("deepseek_v3_small", 53_000_000),
+}
+
+
+def write_checkpoint(
+    root: Path, model: str, seed: int = 20261129, specs: list[Any] | None = None
+) -> tuple[int, int]:
+    """Write shards of random bytes (made on the GPU when there is one: fast) with real headers
+    and an index.json; (bytes, tensors). `specs` (model_shapes' (name, dtype, shape)) stand in
+    for `model`'s when given."""
+    import torch
+
+    from _support import model_shapes
+
+    specs_of, shard_bytes = MODELS.get(model, ("", 4 * GiB))
+    if specs is None:
+        specs = list(getattr(model_shapes, specs_of)())
+    root.mkdir(parents=True, exist_ok=True)
+    shards = shard(specs, shard_bytes)
+    names = shard_names(len(shards))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for name, group in zip(names, shards, strict=True):
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for tensor_name, dtype, shape in group:
+            size = nbytes(dtype, shape)
+            header[tensor_name] = {
+                "dtype": dtype,
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
+            weight_map[tensor_name] = name
+        with open(root / name, "wb") as fh:
+            fh.write(header_bytes(header))
+            left = offset
+            while left:
+                n = min(left, 512 << 20)
+                chunk = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=gen)
+                fh.write(chunk.cpu().numpy().tobytes())
+                left -= n
+        total += offset
+    write_index(root, weight_map, total)
+    return total, len(specs)
