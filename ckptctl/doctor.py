@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckptctl.errors import redact
+from ckptctl.settings import ServerKind
 
 if TYPE_CHECKING:  # (httpx stays out of the import until a server is asked about)
     from ckptctl.inference_server import ServerAddress
@@ -481,7 +482,7 @@ def identify(address: ServerAddress, timeout: float) -> Identity:
 
     key_fix = f"pass --api-key or set {API_KEY_ENV}"
     start = time.monotonic()
-    prober = Prober(address, "sglang", "listening")
+    prober = Prober(address)
     try:
         ping = prober.probe(timeout)
     finally:
@@ -496,7 +497,7 @@ def identify(address: ServerAddress, timeout: float) -> Identity:
     headers = auth_headers(address)
     try:
         with deadline(left), make_client(address, timeout=left, send_key=False) as client:
-            version, status = read_weight_version(client, CONTRACTS["sglang"], headers)
+            version, status = read_weight_version(client, CONTRACTS[ServerKind.sglang], headers)
             if version is not None or not status.startswith("no weight-version"):
                 if " HTTP 401" in status or " HTTP 403" in status:
                     return fail(f"refused the API key ({status})", key_fix)

@@ -11,7 +11,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
@@ -23,29 +23,30 @@ from ckptctl.bounded_http import (
 )
 from ckptctl.defaults import API_KEY_ENV, DEFAULT_ENDPOINT
 from ckptctl.errors import redact, register_secret, register_url_secrets
-
-Engine = Literal["sglang", "vllm"]
-ENGINES: tuple[Engine, ...] = ("sglang", "vllm")
+from ckptctl.settings import ServerKind
 
 
 @dataclass(frozen=True)
 class EngineContract:
     """The endpoints of one engine that ckptctl uses."""
 
-    name: Engine
+    name: ServerKind
     listening_path: str  # any HTTP answer here means the server is up
     health_path: str  # 200 here means healthy
     # Where the current weight version can be read, tried in order (newest SGLang first).
     weight_version_paths: tuple[str, ...]
 
 
-CONTRACTS: dict[str, EngineContract] = {
+CONTRACTS: dict[ServerKind, EngineContract] = {
     # SGLang 0.5.23 answers /ping with 503 until its first weights arrive: still "listening".
-    "sglang": EngineContract(
-        "sglang", "/ping", "/health", ("/model_info", "/get_weight_version", "/get_model_info")
+    ServerKind.sglang: EngineContract(
+        ServerKind.sglang,
+        "/ping",
+        "/health",
+        ("/model_info", "/get_weight_version", "/get_model_info"),
     ),
     # vLLM's /health ignores weights entirely; it has no weight version to read back.
-    "vllm": EngineContract("vllm", "/health", "/health", ()),
+    ServerKind.vllm: EngineContract(ServerKind.vllm, "/health", "/health", ()),
 }
 
 

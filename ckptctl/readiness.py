@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import httpx
 
@@ -30,9 +29,7 @@ from ckptctl.inference_server import (
     one_line,
     parse_json_object,
 )
-
-Condition = Literal["listening", "healthy"]
-CONDITIONS: tuple[Condition, ...] = ("listening", "healthy")
+from ckptctl.settings import ReadyCondition, ServerKind
 
 
 @dataclass(frozen=True)
@@ -97,8 +94,8 @@ class Prober:
     def __init__(
         self,
         address: ServerAddress,
-        engine: str = "sglang",
-        condition: Condition = "listening",
+        engine: ServerKind = ServerKind.sglang,
+        condition: ReadyCondition = ReadyCondition.listening,
         weight_version: str | None = None,
     ) -> None:
         self.address = address

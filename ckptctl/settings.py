@@ -16,6 +16,28 @@ class Word(str, Enum):
         return str(self.value)
 
 
+class ServerKind(Word):
+    """Which inference server speaks at an endpoint (`--engine`)."""
+
+    sglang = "sglang"
+    vllm = "vllm"
+
+
+class ReadyCondition(Word):
+    """What `wait-ready --for` waits for."""
+
+    listening = "listening"  # the server answers HTTP at all (SGLang's 503 while it starts too)
+    healthy = "healthy"  # its health endpoint answers 200
+
+
+class SplitMode(Word):
+    """How a checkpoint is split across ranks; both balance bytes."""
+
+    auto = "auto"  # whichever leaves the largest rank smaller (ties: files)
+    files = "files"  # whole files per rank
+    tensors = "tensors"  # single tensors per rank
+
+
 class RegisterMode(Word):
     """How a rank's share reaches pinned memory."""
 

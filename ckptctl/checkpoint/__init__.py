@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from ckptctl.checkpoint.headers import DTYPE_BITS, Checkpoint, TensorInfo, read_checkpoint
 from ckptctl.checkpoint.loader import load_rank_tensors, load_tensors, torch_dtype
-from ckptctl.checkpoint.plan import SPLIT_MODES, Plan, RankPlan, SplitMode, plan_split
+from ckptctl.checkpoint.plan import Plan, RankPlan, plan_split
 
 __all__ = [
     "DTYPE_BITS",
-    "SPLIT_MODES",
     "Checkpoint",
     "Plan",
     "RankPlan",
-    "SplitMode",
     "TensorInfo",
     "load_rank_tensors",
     "load_tensors",

@@ -24,9 +24,7 @@ from typing import Literal
 
 from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
 from ckptctl.checkpoint.remembered import LastResult
-
-SplitMode = Literal["auto", "files", "tensors"]
-SPLIT_MODES: tuple[str, ...] = ("auto", "files", "tensors")
+from ckptctl.settings import SplitMode
 
 # checkpoint-engine packs each tensor into pinned memory at a 256-byte boundary.
 PIN_ALIGN = 256
@@ -262,12 +260,11 @@ def _contiguous_runs(checkpoint: Checkpoint, world_size: int) -> list[list[int]]
     return [list(range(a, b)) for a, b in zip(best[:-1], best[1:], strict=True)]
 
 
-def plan_split(checkpoint: Checkpoint, world_size: int, mode: SplitMode = "auto") -> Plan:
+def plan_split(checkpoint: Checkpoint, world_size: int, mode: SplitMode = SplitMode.auto) -> Plan:
     """Split `checkpoint` across `world_size` ranks; `mode` is "auto", "files" or "tensors"."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, not {world_size}")
-    if mode not in SPLIT_MODES:
-        raise ValueError(f"split mode must be one of {SPLIT_MODES}, not {mode!r}")
+    mode = SplitMode(mode)  # (a ValueError for anything else)
 
     def split() -> tuple[str, tuple[RankPlan, ...], dict[str, int]]:
         candidates: dict[str, tuple[RankPlan, ...]] = {}

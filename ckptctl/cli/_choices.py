@@ -1,25 +1,9 @@
-"""Enumerated flag values (Typer shows them in --help and completes them); --update-method's
-is the request's own UpdateMethod (transfer/request.py)."""
+"""--register-mode's choices: engine and direct (consume is asked for with its own flag,
+--consume-shm-files, as it deletes files)."""
 
 from __future__ import annotations
 
 from enum import Enum
-
-
-class EngineChoice(str, Enum):
-    sglang = "sglang"
-    vllm = "vllm"
-
-
-class ReadyCondition(str, Enum):
-    listening = "listening"
-    healthy = "healthy"
-
-
-class SplitChoice(str, Enum):
-    auto = "auto"
-    files = "files"
-    tensors = "tensors"
 
 
 class RegisterModeChoice(str, Enum):

@@ -18,9 +18,10 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
+from ckptctl.cli._choices import RegisterModeChoice
 from ckptctl.defaults import API_KEY_ENV, CONTROL_SOCKET_ENV, ENDPOINT_ENV, ENGINE_ENV, UDS_ENV
 from ckptctl.defaults import DEFAULT_ENDPOINT as DEFAULT_ENDPOINT  # (wait_ready imports it here)
+from ckptctl.settings import ServerKind, SplitMode
 
 # Help panels: `update` has two dozen flags; they are grouped by what they are about. Typer
 # shows a flag in no panel under "Options", first: every flag here has one.
@@ -151,7 +152,7 @@ ApiKeyOpt = Annotated[
     ),
 ]
 EngineOpt = Annotated[
-    EngineChoice,
+    ServerKind,
     _from_env(
         "--engine", "ENGINE", ENGINE_ENV, "Which server speaks at the endpoint: sglang or vllm."
     ),
@@ -244,7 +245,7 @@ JoinFromMetasOpt = Annotated[
     ),
 ]
 SplitOpt = Annotated[
-    SplitChoice,
+    SplitMode,
     _opt(
         "--split",
         metavar="MODE",

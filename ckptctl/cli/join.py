@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptctl.cli._choices import EngineChoice
 from ckptctl.cli._observe_options import (
     LogFormatChoice,
     LogFormatOpt,
@@ -33,6 +32,7 @@ from ckptctl.cli._options import (
 )
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
+from ckptctl.settings import ServerKind
 
 if TYPE_CHECKING:
     from ckptctl.transfer.request import TransferRequest
@@ -44,7 +44,7 @@ def join_command(
     allow_pickle: AllowPickleOpt = False,
     endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
     uds: UdsListOpt = None,
-    engine: EngineOpt = EngineChoice.sglang,
+    engine: EngineOpt = ServerKind.sglang,
     inference_parallel_size: InferenceParallelSizeOpt = 8,
     weight_version: WeightVersionOpt = None,
     timeout: TimeoutOpt = 600,
@@ -65,9 +65,9 @@ def join_command(
     from ckptctl.settings import UpdateMethod
     from ckptctl.transfer.request import resolve, verify_ways
 
-    ways = verify_ways(verify=verify, round_trip=False, reset_confirmed=False, engine=engine.value)
+    ways = verify_ways(verify=verify, round_trip=False, reset_confirmed=False, engine=engine)
     request = resolve(
-        (endpoint, uds, api_key, engine.value, inference_parallel_size),
+        (endpoint, uds, api_key, engine, inference_parallel_size),
         weight_version=weight_version,
         checkpoint_name=checkpoint_name,
         update_method=UpdateMethod.p2p,  # over p2p, from the holders

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli._choices import RegisterModeChoice, SplitChoice
+from ckptctl.cli._choices import RegisterModeChoice
 from ckptctl.cli._observe_options import LogFormatChoice, LogFormatOpt, use_log_format
 from ckptctl.cli._options import (
     CHECKPOINT,
@@ -25,6 +25,7 @@ from ckptctl.cli._options import (
 )
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME
+from ckptctl.settings import SplitMode
 
 
 def save_metas_command(
@@ -41,7 +42,7 @@ def save_metas_command(
         ),
     ],
     checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
-    split: SplitOpt = SplitChoice.auto,
+    split: SplitOpt = SplitMode.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
     sleep_time: HoldTimeOpt = None,
@@ -70,7 +71,7 @@ def save_metas_command(
         ServerTargets(),  # (none: it holds the weights for joiners)
         checkpoint_path=str(checkpoint_path),
         checkpoint_name=checkpoint_name,
-        split=split.value,
+        split=split,
         register_mode=RegisterMode(register_mode.value),
         read_threads=read_threads,
         timeout=timeout,

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
+from ckptctl.cli._choices import RegisterModeChoice
 from ckptctl.cli._observe_options import (
     LogFormatChoice,
     LogFormatOpt,
@@ -58,6 +58,7 @@ from ckptctl.cli._options import (
 from ckptctl.cli._output import Output
 from ckptctl.defaults import PUSH_LOG_SIZE
 from ckptctl.errors import CkptctlError, UsageError, redact
+from ckptctl.settings import ServerKind, SplitMode
 
 WaitOpt = Annotated[
     float,
@@ -76,10 +77,10 @@ def serve_command(
     endpoint: EndpointsOpt = None,
     uds: UdsListOpt = None,
     inference_parallel_size: InferenceParallelSizeOpt = 8,
-    engine: EngineOpt = EngineChoice.sglang,
+    engine: EngineOpt = ServerKind.sglang,
     api_key: ApiKeyOpt = None,
     control_socket: ControlSocketOpt = None,
-    split: SplitOpt = SplitChoice.auto,
+    split: SplitOpt = SplitMode.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
     push_timeout: PushTimeoutOpt = 600,
@@ -147,8 +148,8 @@ def serve_command(
         if missing_package():
             raise UsageError(str(missing_package()))
     request = resolve(
-        (endpoint, uds, api_key, engine.value, inference_parallel_size),
-        split=split.value,
+        (endpoint, uds, api_key, engine, inference_parallel_size),
+        split=split,
         register_mode=RegisterMode(register_mode.value),
         read_threads=read_threads,
         timeout=push_timeout,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckptctl.cli._choices import EngineChoice, RegisterModeChoice, SplitChoice
+from ckptctl.cli._choices import RegisterModeChoice
 from ckptctl.cli._observe_options import (
     LogFormatChoice,
     LogFormatOpt,
@@ -55,7 +55,7 @@ from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
 from ckptctl.launch import LaunchInfo, launch_info
-from ckptctl.settings import UpdateMethod
+from ckptctl.settings import ServerKind, SplitMode, UpdateMethod
 
 if TYPE_CHECKING:
     from ckptctl.transfer.request import TransferRequest
@@ -79,7 +79,7 @@ def resolve_world_size(launch: LaunchInfo, flag: int | None, default: int = 1) -
 def update_command(
     checkpoint_path: CheckpointPathOrJoinOpt = None,
     checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
-    split: SplitOpt = SplitChoice.auto,
+    split: SplitOpt = SplitMode.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
     read_threads: ReadThreadsOpt = None,
     consume_shm_files: ConsumeShmOpt = False,
@@ -96,7 +96,7 @@ def update_command(
     allow_pickle: AllowPickleOpt = False,
     endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
     uds: UdsListOpt = None,
-    engine: EngineOpt = EngineChoice.sglang,
+    engine: EngineOpt = ServerKind.sglang,
     inference_parallel_size: InferenceParallelSizeOpt = 8,
     api_key: ApiKeyOpt = None,
     weight_version: WeightVersionOpt = None,
@@ -180,18 +180,18 @@ def update_command(
         verify=verify,
         round_trip=verify_round_trip,
         reset_confirmed=reset_served_weights,
-        engine=engine.value,
+        engine=engine,
         world_size=world_size,
         nproc_per_node=nproc_per_node,
         under_torchrun=launch.under_torchrun,
     )
     joining = load_metas_file is not None
     request = resolve(
-        (endpoint, uds, api_key, engine.value, inference_parallel_size),
+        (endpoint, uds, api_key, engine, inference_parallel_size),
         weight_version=weight_version,
         checkpoint_path=None if joining else str(checkpoint_path),
         checkpoint_name=checkpoint_name,
-        split=split.value,
+        split=split,
         register_mode=RegisterMode(register_mode.value),
         consume=consume_shm_files and not joining,
         read_threads=read_threads,

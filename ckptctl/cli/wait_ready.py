@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli._choices import EngineChoice, ReadyCondition
 from ckptctl.cli._errors import raise_if_interrupted
 from ckptctl.cli._options import (
     DEFAULT_ENDPOINT,
@@ -23,6 +22,7 @@ from ckptctl.cli._options import (
 )
 from ckptctl.cli._output import Output
 from ckptctl.errors import DeadlineExceeded, UsageError, redact
+from ckptctl.settings import ReadyCondition, ServerKind
 
 # Without a terminal, a line at least this often while nothing changes, so that a log shows
 # the wait is alive (one attempt takes at most --attempt-timeout, so at most that long if more).
@@ -32,7 +32,7 @@ HEARTBEAT_S = 10.0
 def wait_ready_command(
     endpoint: EndpointOpt = DEFAULT_ENDPOINT,
     uds: UdsOpt = None,
-    engine: EngineOpt = EngineChoice.sglang,
+    engine: EngineOpt = ServerKind.sglang,
     api_key: ApiKeyOpt = None,
     for_: Annotated[
         ReadyCondition,
@@ -98,7 +98,7 @@ def wait_ready_command(
     from ckptctl.readiness import Prober, wait_ready
 
     out = Output(json_mode=json_output, quiet=quiet)
-    if weight_version is not None and engine is EngineChoice.vllm:
+    if weight_version is not None and engine is ServerKind.vllm:
         raise UsageError("--weight-version needs --engine sglang: vLLM reports no weight version")
     address = ServerAddress(endpoint=check_endpoint(endpoint), uds=uds, api_key=api_key)
     goal = f"{for_.value}" + (f" with weight version {weight_version!r}" if weight_version else "")
@@ -134,7 +134,7 @@ def wait_ready_command(
             last_line_at[0] = elapsed
         last_status.append(probe.status)
 
-    prober = Prober(address, engine.value, for_.value, weight_version)
+    prober = Prober(address, engine, for_, weight_version)
     try:
         with status_ctx:
             result = wait_ready(

@@ -11,10 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME
 from ckptctl.errors import InvalidInput, UsageError
-from ckptctl.settings import P2P, ROUND_TRIP, VERIFY, RegisterMode, UpdateMethod, Verify
+from ckptctl.settings import (
+    P2P,
+    ROUND_TRIP,
+    VERIFY,
+    RegisterMode,
+    SplitMode,
+    UpdateMethod,
+    Verify,
+)
 
 if TYPE_CHECKING:
-    from ckptctl.checkpoint.plan import SplitMode
     from ckptctl.job.groups import ServerTargets
 
 
@@ -25,7 +32,7 @@ class TransferRequest:
     servers: ServerTargets
     checkpoint_path: str | None = None  # None: join (the weights come from a metas file)
     checkpoint_name: str = DEFAULT_CHECKPOINT_NAME
-    split: SplitMode = "auto"
+    split: SplitMode = SplitMode.auto
     register_mode: RegisterMode = RegisterMode.direct
     read_threads: int | None = None  # direct registration's reader threads (None: from cores)
     update_method: UpdateMethod = UpdateMethod.broadcast
@@ -91,7 +98,7 @@ def registration(path: str, mode: RegisterMode, split: SplitMode) -> tuple[Regis
     from ckptctl.checkpoint.consume import check_consume
 
     check_consume(path, split)
-    return mode, "files"
+    return mode, SplitMode.files
 
 
 def verify_ways(

@@ -24,7 +24,7 @@ from ckptctl.job.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.job.runner import Job
 from ckptctl.observe import timeline
 from ckptctl.progress import Reporter, format_bytes
-from ckptctl.settings import P2P, RegisterMode
+from ckptctl.settings import P2P, RegisterMode, ServerKind
 
 if TYPE_CHECKING:
     import signal
@@ -353,7 +353,7 @@ def wait_for_server(
                     if abort is not None:
                         raise abort_error(abort)
 
-            prober = Prober(address, engine, "listening")
+            prober = Prober(address, ServerKind(engine))
             try:
                 result = wait_ready(prober, timeout=limit, interval=0.5, on_attempt=on_attempt)
             finally:
@@ -569,7 +569,7 @@ def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, wa
     with job.reporter.stage("verify", "reading the weight version back") as st:
         try:
             with make_client(address, timeout=READ_BACK_TIMEOUT_S) as client:
-                version, status = read_weight_version(client, CONTRACTS[engine])
+                version, status = read_weight_version(client, CONTRACTS[ServerKind(engine)])
         except httpx.HTTPError as exc:
             error = DeadlineExceeded if isinstance(exc, httpx.TimeoutException) else OperationFailed
             raise error(
