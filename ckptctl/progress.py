@@ -206,6 +206,10 @@ class Reporter:
         """Warnings print even with --quiet."""
         self._log(redact(f"warning: {message}"))
 
+    def error(self, message: str) -> None:
+        """Something failed that the job goes on after (a serve push): even with --quiet."""
+        self._log(redact(f"error: {message}"))
+
     def counter(self, name: str) -> ByteCounter:
         """The byte counter the next stage called `name` will use: for work that starts
         before its stage does."""
@@ -356,6 +360,9 @@ class RichReporter(Reporter):
 
     def warn(self, message: str) -> None:
         self.progress.console.print(redact(f"warning: {message}"), style="yellow", markup=False)
+
+    def error(self, message: str) -> None:
+        self.progress.console.print(redact(f"error: {message}"), style="red", markup=False)
 
     def _started(self, figures: StageFigures) -> None:
         self._fit(self.running_stages())

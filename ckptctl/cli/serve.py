@@ -198,6 +198,7 @@ def push_command(
     wait: WaitOpt = 0,
     timeout: AnswerTimeoutOpt = 900,
     trace: TraceOpt = None,
+    log_format: LogFormatOpt = LogFormatChoice.text,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
@@ -221,7 +222,7 @@ def push_command(
             allow_layout_change=allow_layout_change,
             trace=trace,
         ),
-        Output(json_mode=json_output, quiet=quiet),
+        _client_output(json_output, quiet, log_format),
         JobAddress(control_socket, endpoint, uds, wait),
         timeout,
     )
@@ -235,6 +236,7 @@ def stage_command(
     uds: FindUdsOpt = None,
     wait: WaitOpt = 0,
     timeout: AnswerTimeoutOpt = 900,
+    log_format: LogFormatOpt = LogFormatChoice.text,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
@@ -251,7 +253,7 @@ def stage_command(
 
     run_command(
         functools.partial(client.stage, checkpoint_path, allow_layout_change=allow_layout_change),
-        Output(json_mode=json_output, quiet=quiet),
+        _client_output(json_output, quiet, log_format),
         JobAddress(control_socket, endpoint, uds, wait),
         timeout,
     )
@@ -262,6 +264,7 @@ def rollback_command(
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
     timeout: AnswerTimeoutOpt = 900,
+    log_format: LogFormatOpt = LogFormatChoice.text,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
@@ -275,10 +278,18 @@ def rollback_command(
 
     run_command(
         client.rollback,
-        Output(json_mode=json_output, quiet=quiet),
+        _client_output(json_output, quiet, log_format),
         JobAddress(control_socket, endpoint, uds, None),
         timeout,
     )
+
+
+def _client_output(json_output: bool, quiet: bool, log_format: LogFormatChoice) -> Output:
+    """A client command's output; --log-format json: its progress and error lines on stderr
+    as JSON objects, as the job's own are."""
+    out = Output(json_mode=json_output, quiet=quiet)
+    use_log_format(out, log_format)
+    return out
 
 
 @dataclass(frozen=True)

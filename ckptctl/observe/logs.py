@@ -139,6 +139,9 @@ class JsonReporter(Reporter):
     def warn(self, message: str) -> None:
         emit(record(redact(message), level="warning"))
 
+    def error(self, message: str) -> None:
+        emit(record(redact(message), level="error"))
+
     def _started(self, figures: StageFigures) -> None:
         _stage[0] = figures.name
         if self.primary and not self.quiet:

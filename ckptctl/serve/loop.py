@@ -522,11 +522,10 @@ class ServeLoop:
             self.metrics.pushed(merged, stages, self.status.weights)
         if self.rank == 0:
             what = f"{merged['action']} {merged['seq']} ({merged['checkpoint_path']})"
-            self.job.reporter.log(
-                f"{what}: done in {merged['seconds']:.2f}s"
-                if merged["ok"]
-                else f"{what} failed: {merged['error']}"
-            )
+            if merged["ok"]:
+                self.job.reporter.log(f"{what}: done in {merged['seconds']:.2f}s")
+            else:  # (at level error in --log-format json: the job goes on, the push failed)
+                self.job.reporter.error(f"{what} failed: {merged['error']}")
         return merged
 
     def _run_everywhere(self, command: dict[str, Any]) -> dict[str, Any]:

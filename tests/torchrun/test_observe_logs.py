@@ -58,3 +58,35 @@ def test_an_error_line_is_a_json_object_too(tmp_path: Path) -> None:
     (record,) = _records(r.stderr)
     assert record["level"] == "error" and "missing" in record["message"]
     assert record["rank"] == 0 and record["stage"] is None and record["figures"] is None
+
+
+@pytest.mark.slow
+def test_a_serve_job_logs_a_failed_push_as_an_error_and_push_writes_json_lines(
+    short_tmp: Path,
+) -> None:
+    from conftest import cpu_serve_job, wait_for_path
+
+    sock = str(short_tmp / "serve.sock")
+    json_logs = ("--log-format", "json")
+    with (
+        FakeServer(Behaviour()) as s,
+        cpu_serve_job(
+            s.endpoint, "--control-socket", sock, *json_logs, env={"OMP_NUM_THREADS": "1"}
+        ) as job,
+    ):
+        assert wait_for_path(sock), "the control socket never appeared"
+        missing = str(short_tmp / "missing")
+        bad = run_script(
+            "push", "--control-socket", sock, "--checkpoint-path", missing, *json_logs,
+            timeout=60,
+        )  # fmt: skip
+        assert bad.returncode == 3, bad.stderr
+        errors = [r for r in _records(bad.stderr) if r["level"] == "error"]
+        assert len(errors) == 1 and "missing" in errors[0]["message"], bad.stderr
+        stop = run_script("stop", "--control-socket", sock, timeout=30)
+        assert stop.returncode == 0, stop.stderr
+        _, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err[-3000:]
+    failed = [r for r in _records(err) if r["message"].startswith("push 1 ")]
+    assert failed and failed[0]["level"] == "error", failed
+    assert "failed" in failed[0]["message"] and "missing" in failed[0]["message"]
