@@ -11,7 +11,10 @@ start-up (its imports and argument parsing) and gives it the result as a dict:
 
 Each function returns the document the matching `ckptctl ... --json` prints (`ok`, `exit_code`,
 `error` and the command's fields), and its messages name these functions' arguments
-(`wait=SECONDS`), where the CLI's name its flags.
+(`wait=SECONDS`), where the CLI's name its flags. Two arguments mean the same in every function,
+as their flags do in every command: `wait`, how long to wait first for a serve job to answer at
+all (one still starting after `serve &`); `timeout`, the longest the whole call may take, that
+wait included (DeadlineExceeded past it).
 
 The job is found as the CLI finds it: `control_socket`, else the job that feeds `endpoint` /
 `uds`, else this user's only serve job on the node (ckptctl.serve.control_client, which also
@@ -72,6 +75,31 @@ def find_job(
     return resolve_socket(control_socket, targets, wait, names=names)
 
 
+class _Budget:
+    """A call's `timeout`, spent from its start: the wait for a job, then each request."""
+
+    def __init__(self, timeout: float, names: Names) -> None:
+        self.timeout = timeout
+        self.names = names
+        self.deadline = time.monotonic() + timeout
+
+    def left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"gave up after {self.timeout:g}s (raise {self.names.timeout})")
+        return left
+
+    def find_job(
+        self,
+        control_socket: str | None,
+        endpoint: str | Sequence[str],
+        uds: str | Sequence[str],
+        wait: float,
+    ) -> str:
+        # (called first: what is left of the budget is all of it)
+        return find_job(control_socket, endpoint, uds, min(wait, self.timeout), names=self.names)
+
+
 def _as_list(values: str | Sequence[str]) -> list[str]:
     """One URL or path, or several (a lone string is one, never its characters)."""
     return [values] if isinstance(values, str) else list(values)
@@ -129,7 +157,8 @@ def push(
     this push, which `cancel(push_id)` gives up. trace: a file for the push's timeline on
     every rank (Chrome trace-event JSON, written by the job: ckptctl.observe.timeline); the
     answer's `trace` says where, or why not."""
-    path = find_job(control_socket, endpoint, uds, wait, names=names)
+    budget = _Budget(timeout, names)
+    path = budget.find_job(control_socket, endpoint, uds, wait)
     body: dict[str, Any] = {
         "checkpoint_path": os.path.realpath(os.fspath(checkpoint_path)),
         "weight_version": weight_version,
@@ -143,7 +172,7 @@ def push(
         from ckptctl.observe.timeline import check_path
 
         body["trace"] = check_path(trace, names.trace)
-    return _run(path, "/push", body, timeout, check=check, on_progress=on_progress, names=names)
+    return _run(path, "/push", body, budget, check=check, on_progress=on_progress, names=names)
 
 
 def stage(
@@ -166,13 +195,14 @@ def stage(
     the same path that follows, if its files have not changed, sends it without reading it.
     `status()["staged"]` says how far the read got. Refused (InvalidInput) as its push would be
     (another layout, a checkpoint that is none)."""
-    path = find_job(control_socket, endpoint, uds, wait, names=names)
+    budget = _Budget(timeout, names)
+    path = budget.find_job(control_socket, endpoint, uds, wait)
     body = {
         "checkpoint_path": os.path.realpath(os.fspath(checkpoint_path)),
         "allow_layout_change": allow_layout_change,
         "push_id": push_id,
     }
-    return _run(path, "/stage", body, timeout, check=check, on_progress=on_progress, names=names)
+    return _run(path, "/stage", body, budget, check=check, on_progress=on_progress, names=names)
 
 
 def rollback(
@@ -180,6 +210,7 @@ def rollback(
     control_socket: str | None = None,
     endpoint: str | Sequence[str] = (),
     uds: str | Sequence[str] = (),
+    wait: float = 0.0,
     timeout: float = 900.0,
     check: bool = True,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
@@ -188,9 +219,10 @@ def rollback(
 ) -> dict[str, Any]:
     """Push the whole checkpoint before the last whole one again, with its weight version
     (`ckptctl rollback`). InvalidInput (3) when there is none, or when its files changed."""
-    path = find_job(control_socket, endpoint, uds, 0.0, names=names.without_wait())
+    budget = _Budget(timeout, names)
+    path = budget.find_job(control_socket, endpoint, uds, wait)
     body = {"push_id": push_id}
-    return _run(path, "/rollback", body, timeout, check=check, on_progress=on_progress, names=names)
+    return _run(path, "/rollback", body, budget, check=check, on_progress=on_progress, names=names)
 
 
 def cancel(push_id: str, *, control_socket: str) -> dict[str, Any]:
@@ -204,7 +236,7 @@ def _run(
     path: str,
     route: str,
     body: dict[str, Any],
-    timeout: float,
+    budget: _Budget,
     *,
     check: bool,
     on_progress: Callable[[dict[str, Any]], None] | None,
@@ -213,7 +245,7 @@ def _run(
     """One command the job runs (a push, stage or rollback): sent, watched while it runs, and
     its answer, raised as the command's exception with `check` when it failed."""
     with _watching(path, on_progress):
-        answer = request(path, "POST", route, body, timeout, flag=names.timeout)
+        answer = request(path, "POST", route, body, budget.left(), flag=names.timeout)
     return raise_if_failed(answer) if check else answer
 
 
@@ -259,6 +291,7 @@ def status(
     endpoint: str | Sequence[str] = (),
     uds: str | Sequence[str] = (),
     wait: float = 0.0,
+    timeout: float = 30.0,
     history: bool = False,
     names: Names = ARGUMENTS,
 ) -> dict[str, Any]:
@@ -268,10 +301,11 @@ def status(
     history: also the job's push log, `status --history --json`'s fields: `pushes` (the last
     `history_limit`, oldest first: seq, checkpoint_path, weight_version, outcome, wall_s,
     total_bytes, finished_at, server_weights...) and `pushes_run` (every push logged)."""
-    path = find_job(control_socket, endpoint, uds, wait, names=names)
-    doc = request(path, "GET", "/status", None, 10.0)
+    budget = _Budget(timeout, names)
+    path = budget.find_job(control_socket, endpoint, uds, wait)
+    doc = request(path, "GET", "/status", None, budget.left(), flag=names.timeout)
     if history:
-        log = request(path, "GET", "/history", None, 30.0)
+        log = request(path, "GET", "/history", None, budget.left(), flag=names.timeout)
         doc.update({k: log.get(k) for k in ("pushes", "pushes_run", "history_limit")})
     done, failed = int(doc.get("commands") or 0), int(doc.get("failed") or 0)
     return {
@@ -290,24 +324,22 @@ def stop(
     endpoint: str | Sequence[str] = (),
     uds: str | Sequence[str] = (),
     wait: float = 0.0,
+    timeout: float = 30.0,
     names: Names = ARGUMENTS,
 ) -> dict[str, Any]:
-    """Ask the serve job to stop (a push under way is cancelled); with `wait`, until it no
-    longer answers (DeadlineExceeded after `wait` seconds). `ckptctl stop --json`'s document:
-    `control_socket`, `stopped` (true: it no longer answers; false: asked, not waited for)."""
+    """Stop the serve job (a push under way is cancelled) and wait until it no longer
+    answers: every rank has ended (DeadlineExceeded if it still answers at `timeout`).
+    `ckptctl stop --json`'s document: `control_socket`, `stopped` (true)."""
     from ckptctl.serve.control_client import answers
 
-    path = find_job(control_socket, endpoint, uds, 0.0, names=names.without_wait())
-    request(path, "POST", "/stop", None, 10.0)
-    deadline = time.monotonic() + wait
-    while wait and answers(path):
-        if time.monotonic() >= deadline:
-            raise DeadlineExceeded(f"the serve job on {path} still answers after {wait:g}s")
+    budget = _Budget(timeout, names)
+    path = budget.find_job(control_socket, endpoint, uds, wait)
+    request(path, "POST", "/stop", None, min(budget.left(), 10.0), flag=names.timeout)
+    while answers(path):
+        if time.monotonic() >= budget.deadline:
+            raise DeadlineExceeded(
+                f"the serve job on {path} still answers {timeout:g}s after it was asked to "
+                f"stop (raise {names.timeout})"
+            )
         time.sleep(0.2)
-    return {
-        "ok": True,
-        "exit_code": 0,
-        "error": None,
-        "control_socket": path,
-        "stopped": bool(wait),
-    }
+    return {"ok": True, "exit_code": 0, "error": None, "control_socket": path, "stopped": True}

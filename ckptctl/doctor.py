@@ -593,17 +593,21 @@ def check_weights_checker(address: ServerAddress, engine: str, timeout: float) -
 
 
 def server_checks(addresses: Sequence[ServerAddress], timeout: float) -> list[Check]:
+    """Each server's checks, one after another, all within `timeout` seconds: a server that
+    does not answer uses up its part of it (an equal share of what is left), never the rest's."""
     checks = []
-    for address in addresses:
+    deadline = time.monotonic() + timeout
+    for i, address in enumerate(addresses):
         start = time.monotonic()
-        found = identify(address, timeout)
+        share = max((deadline - start) / (len(addresses) - i), 0.05)
+        found = identify(address, share)
         checks.append(found.check)
         if found.engine is not None:
-            left = max(timeout - (time.monotonic() - start), 0.05)
+            left = max(share - (time.monotonic() - start), 0.05)
             checks.append(check_weights_checker(address, found.engine, left))
     return checks
 
 
-def run(addresses: Sequence[ServerAddress] = (), *, timeout: float = 10.0) -> Report:
-    """Every check: this machine's, then each server's (each within `timeout` seconds)."""
+def run(addresses: Sequence[ServerAddress] = (), *, timeout: float = 30.0) -> Report:
+    """Every check: this machine's, then each server's (all of them within `timeout` s)."""
     return Report([*machine_checks(), *server_checks(addresses, timeout)])

@@ -12,6 +12,7 @@ and answers as it always does.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import math
 import os
@@ -166,6 +167,8 @@ def _kind(annotation: Any) -> tuple[Any, bool]:
         return str, True
     if annotation in (bool, str, float, int, Path):
         return annotation, False
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return annotation, False  # (a choice: its value, as Typer takes it)
     return None, False
 
 

@@ -183,15 +183,31 @@ def _timeout(low: float, panel: str, help: str) -> Any:
     return _opt("--timeout", metavar="SECONDS", callback=at_least(low), panel=panel, help=help)
 
 
-TimeoutOpt = Annotated[float, _timeout(1, TRANSFER, "Give up after this many seconds (exit 4).")]
-# push and rollback: how long the command waits for the job's answer.
-AnswerTimeoutOpt = Annotated[
+# --timeout means one thing in every command: the longest the whole command may take (exit 4
+# past it); --wait, in the commands that talk to a serve job, how long to wait first for a
+# job to answer at all (docs/cli.md).
+TimeoutOpt = Annotated[
+    float, _timeout(1, TRANSFER, "Give up the whole command after this many seconds (exit 4).")
+]
+# push, stage, rollback, status, stop: the command, its wait for a job included.
+ClientTimeoutOpt = Annotated[
     float,
     _timeout(
         1,
         WAITING,
-        "Seconds to wait for the job's answer (exit 4); the serve job bounds each push by its "
-        "own --push-timeout.",
+        "Give up the whole command after this many seconds, --wait included (exit 4). The "
+        "serve job bounds each push itself (serve --push-timeout).",
+    ),
+]
+WaitOpt = Annotated[
+    float,
+    _opt(
+        "--wait",
+        metavar="SECONDS",
+        callback=at_least(0),
+        panel=WAITING,
+        help="First wait up to this many seconds for the serve job to answer at all (one that "
+        "is still starting after `serve &`); exit 4 if none does.",
     ),
 ]
 

@@ -34,9 +34,10 @@ def doctor_command(
             metavar="SECONDS",
             callback=at_least(0.1),
             rich_help_panel=SERVER,
-            help="Seconds each server may take to answer all of doctor's questions.",
+            help="Give up on the servers' answers after this many seconds in all: a server "
+            "that does not answer fails its check (each --endpoint has an equal share).",
         ),
-    ] = 10,
+    ] = 30,
     json_output: JsonOpt = False,
     quiet: Annotated[
         bool,

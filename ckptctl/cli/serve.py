@@ -28,10 +28,10 @@ from ckptctl.cli._options import (
     OUTPUT,
     TRANSFER,
     WAITING,
-    AnswerTimeoutOpt,
     ApiKeyOpt,
     BucketSizeOpt,
     CheckpointPathOpt,
+    ClientTimeoutOpt,
     ConsumeShmOpt,
     ControlSocketOpt,
     EndpointsOpt,
@@ -52,6 +52,7 @@ from ckptctl.cli._options import (
     UdsListOpt,
     VerboseOpt,
     VerifyOpt,
+    WaitOpt,
     WeightVersionOpt,
     at_least,
 )
@@ -59,18 +60,6 @@ from ckptctl.cli._output import Output
 from ckptctl.defaults import PUSH_LOG_SIZE
 from ckptctl.errors import CkptctlError, UsageError, redact
 from ckptctl.settings import ServerKind, SplitMode
-
-WaitOpt = Annotated[
-    float,
-    typer.Option(
-        "--wait",
-        metavar="SECONDS",
-        callback=at_least(0),
-        rich_help_panel=WAITING,
-        help="Wait up to this many seconds for the serve job to answer (it starts for a while "
-        "after `serve &`); exit 4 if it does not.",
-    ),
-]
 
 
 def serve_command(
@@ -196,7 +185,7 @@ def push_command(
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
     wait: WaitOpt = 0,
-    timeout: AnswerTimeoutOpt = 900,
+    timeout: ClientTimeoutOpt = 900,
     trace: TraceOpt = None,
     log_format: LogFormatOpt = LogFormatChoice.text,
     json_output: JsonOpt = False,
@@ -235,7 +224,7 @@ def stage_command(
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
     wait: WaitOpt = 0,
-    timeout: AnswerTimeoutOpt = 900,
+    timeout: ClientTimeoutOpt = 900,
     log_format: LogFormatOpt = LogFormatChoice.text,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -263,7 +252,8 @@ def rollback_command(
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
-    timeout: AnswerTimeoutOpt = 900,
+    wait: WaitOpt = 0,
+    timeout: ClientTimeoutOpt = 900,
     log_format: LogFormatOpt = LogFormatChoice.text,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -279,7 +269,7 @@ def rollback_command(
     run_command(
         client.rollback,
         _client_output(json_output, quiet, log_format),
-        JobAddress(control_socket, endpoint, uds, None),
+        JobAddress(control_socket, endpoint, uds, wait),
         timeout,
     )
 
@@ -299,7 +289,7 @@ class JobAddress:
     control_socket: str | None
     endpoint: list[str] | None
     uds: list[str] | None
-    wait: float | None  # None: the command has no --wait (rollback)
+    wait: float
 
 
 def run_command(send: Any, out: Output, job: JobAddress, timeout: float) -> None:
@@ -312,16 +302,16 @@ def run_command(send: Any, out: Output, job: JobAddress, timeout: float) -> None
     from ckptctl.errors import Interrupted
     from ckptctl.serve.control_client import FLAGS
 
-    names = FLAGS if job.wait is not None else FLAGS.without_wait()
+    started = time.monotonic()
     path = client.find_job(
-        job.control_socket, job.endpoint or (), job.uds or (), job.wait or 0.0, names=names
+        job.control_socket, job.endpoint or (), job.uds or (), min(job.wait, timeout), names=FLAGS
     )
     push_id = secrets.token_hex(8)
     progress = PushProgress(out)
     try:
         doc = send(
             control_socket=path,
-            timeout=timeout,
+            timeout=max(timeout - (time.monotonic() - started), 0.1),
             check=False,
             names=FLAGS,
             on_progress=progress.show,
@@ -458,6 +448,7 @@ def status_command(
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
     wait: WaitOpt = 0,
+    timeout: ClientTimeoutOpt = 30,
     history: Annotated[
         bool,
         typer.Option(
@@ -479,7 +470,7 @@ def status_command(
 
     out = Output(json_mode=json_output, quiet=quiet)
     which = _which_job_kwargs(control_socket, endpoint, uds, wait)
-    doc = client.status(**which, history=history)
+    doc = client.status(**which, timeout=timeout, history=history)
     if json_output:
         out.result(doc)
     elif history:
@@ -509,21 +500,14 @@ def stop_command(
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
-    wait: Annotated[
-        float,
-        typer.Option(
-            "--wait",
-            metavar="SECONDS",
-            callback=at_least(0),
-            rich_help_panel=WAITING,
-            help="Wait up to this many seconds until the job has stopped serving; exit 4 if not.",
-        ),
-    ] = 0,
+    wait: WaitOpt = 0,
+    timeout: ClientTimeoutOpt = 30,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     show_help: HelpOpt = False,
 ) -> None:
-    """Stop a running `ckptctl serve` job on this node: every rank ends within seconds.
+    """Stop a running `ckptctl serve` job on this node, and wait until every rank has ended
+    (within seconds; exit 4 if it still answers at --timeout).
 
     A push under way is cancelled (its transfer ended, the server restored to the last whole
     checkpoint where it can be within the job's last seconds); pushes still waiting fail.
@@ -531,12 +515,11 @@ def stop_command(
     from ckptctl import client
 
     out = Output(json_mode=json_output, quiet=quiet)
-    doc = client.stop(**_which_job_kwargs(control_socket, endpoint, uds, wait))
+    doc = client.stop(**_which_job_kwargs(control_socket, endpoint, uds, wait), timeout=timeout)
     if json_output:
         out.result(doc)
     else:
-        what = "stopped" if doc["stopped"] else "asked to stop"
-        out.show(f"{what}: the serve job on {doc['control_socket']}")
+        out.show(f"stopped: the serve job on {doc['control_socket']}")
 
 
 def _runs(doc: dict[str, Any]) -> str:

@@ -73,7 +73,7 @@ def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
 
         stop = run_script("stop", "--control-socket", sock, timeout=30)
         assert stop.returncode == 0, stop.stderr
-        assert stop.stdout == f"asked to stop: the serve job on {sock}\n"  # the result: stdout
+        assert stop.stdout == f"stopped: the serve job on {sock}\n"  # the result: stdout
         out, err = job.communicate(timeout=60)
     assert job.returncode == 0, err
     assert "rank 1: stopped by a client (ckptctl stop) (on rank 0)" in out
@@ -88,18 +88,23 @@ def test_push_without_a_serve_job_says_so(short_tmp: Path) -> None:
     assert "or wait for it with --wait SECONDS" in r.stderr  # (push has one)
 
 
-def test_commands_without_a_wait_for_the_job_offer_none(short_tmp: Path) -> None:
-    """rollback has no --wait, stop's waits for the job to end, and a --wait given ran out:
-    none of them suggests waiting with --wait."""
+def test_every_client_offers_its_wait_for_a_job_until_a_wait_given_ran_out(
+    short_tmp: Path,
+) -> None:
+    """--wait means one thing in every client command (wait for a serve job to answer): each
+    offers it when no job answers, and none once a --wait given ran out (exit 4)."""
     sock = str(short_tmp / "none.sock")
-    for args, code in (
-        (["rollback"], 1),
-        (["stop", "--wait", "5"], 1),
-        (["status", "--wait", "0.5"], 4),
-    ):
-        r = run_script(*args, "--control-socket", sock)
-        assert r.returncode == code and "no serve job answers" in r.stderr, (args, r.stderr)
-        assert "--wait" not in r.stderr, (args, r.stderr)
+    for command in ("rollback", "stop", "status", "stage", "push"):
+        path = ["--checkpoint-path", str(TINY)] if command in ("push", "stage") else []
+        r = run_script(command, *path, "--control-socket", sock)
+        assert r.returncode == 1 and "no serve job answers" in r.stderr, (command, r.stderr)
+        assert "or wait for it with --wait SECONDS" in r.stderr, (command, r.stderr)
+        r = run_script(command, *path, "--control-socket", sock, "--wait", "0.5")
+        assert r.returncode == 4 and "waited 0.5s" in r.stderr, (command, r.stderr)
+        assert "--wait" not in r.stderr, (command, r.stderr)
+    # --timeout bounds the whole command, its wait for a job too
+    r = run_script("status", "--control-socket", sock, "--wait", "600", "--timeout", "1")
+    assert r.returncode == 4 and "waited 1s" in r.stderr, r.stderr
 
 
 def _job(

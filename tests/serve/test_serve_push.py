@@ -392,6 +392,6 @@ def test_push_on_a_terminal_shows_progress_there_and_its_result_on_stdout(short_
         shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", err).replace("\r", "\n")
         assert all(len(line) <= 80 for line in shown.splitlines()), err
         stop = run_script("stop", "--control-socket", sock, timeout=30)
-        assert stop.returncode == 0 and stop.stdout.startswith("asked to stop: "), stop.stderr
+        assert stop.returncode == 0 and stop.stdout.startswith("stopped: "), stop.stderr
         job.communicate(timeout=60)
     assert job.returncode == 0

@@ -40,7 +40,7 @@ def _imported(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
         ["status"],
         ["status", "--json", "-q"],
         ["status", "--history"],
-        ["stop", "--wait", "5"],
+        ["stop", "--timeout", "5"],
         ["rollback", "--timeout=30"],
     ],
 )
