@@ -114,7 +114,7 @@ class ParameterServerSession(TransferSockets):
         if p2p is P2P.required and not self.p2p_enabled:
             raise InvalidInput("p2p was asked for but checkpoint-engine's p2p store did not start")
         ce_internals.start_socket_counter(self.ps)
-        self.sockets: list[ReplyWatchingSocket] = []  # the current update's (one per bind)
+        self.new_transfer()  # (self.sockets: the current transfer's, one per bind)
         # Set by the update stage: called with each bucket's bytes once the worker loaded it.
         self.on_bucket_loaded: Callable[[int], None] | None = None
         self._wrap_socket_factory()
@@ -130,8 +130,7 @@ class ParameterServerSession(TransferSockets):
         def watched(socket: Any) -> ReplyWatchingSocket:
             # Past the deadline, so that the watchdog's timeout (exit 4) comes first.
             timeout_ms = max(int((self._io_timeout() + PAST_DEADLINE_S) * 1000), 1)
-            self.sockets.append(ReplyWatchingSocket(socket, timeout_ms, self._bucket_loaded))
-            return self.sockets[-1]
+            return self._add_socket(ReplyWatchingSocket(socket, timeout_ms, self._bucket_loaded))
 
         ce_internals.wrap_socket_factory(self.ps, watched)
 
@@ -193,7 +192,8 @@ class ParameterServerSession(TransferSockets):
     def update(
         self, name: str, req_func: Callable[[list[tuple[str, str]]], None], ranks: list[int] | None
     ) -> None:
-        self.sockets = []  # (a long-lived job's earlier pushes left their errors on theirs)
+        # (self.sockets: this transfer's, since `new_transfer`; a serve push's guard calls it
+        # before it watches, so that its rescue is never lost to a reset here)
         self.ensure_group()
         # The group is kept after a failure too: a push refused before the workers connected
         # (`rescue`) goes through the same collectives on every rank, so it stays in step; a

@@ -253,19 +253,46 @@ def rescue(endpoint: str, message: str, timeout_s: float = 30.0) -> threading.Th
 
 
 class TransferSockets:
-    """The zmq sockets of the current update (one per bind), and how a failed push ends them:
+    """The zmq sockets of the current transfer (one per bind), and how a failed push ends them:
     `rescue` before a server's worker took the handle, `cancel` after."""
 
     sockets: list[ReplyWatchingSocket]
+    # A rescue asked for before this rank bound its socket: the push failed elsewhere before
+    # this rank's update began (a busy machine). The socket is rescued as it is bound.
+    _rescue_message: str | None = None
+    _rescue_lock = threading.Lock()  # (one session per process)
+
+    def new_transfer(self) -> None:
+        """Forget the previous transfer (its sockets, their errors and workers): called before
+        a serve push's guard may end this one, which must never be judged by the last one."""
+        with self._rescue_lock:
+            self.sockets = []
+            self._rescue_message = None
 
     def rescue(self, message: str) -> bool:
-        """End the current transfer if its server never connected (see `rescue`); False when a
-        worker is already attached (then `cancel` ends it)."""
-        if not self.sockets or self.sockets[-1].handle_sent.is_set():
-            return False
-        self.sockets[-1].rescued = True
-        rescue(self.sockets[-1].endpoint, message)
+        """End the current transfer if its server never connected (see `rescue`): now, or as
+        this rank binds its socket; False when a worker is already attached (then `cancel`
+        ends it)."""
+        with self._rescue_lock:
+            if self.sockets and self.sockets[-1].handle_sent.is_set():
+                return False
+            self._rescue_message = message
+            if self.sockets:
+                self._rescue(self.sockets[-1])
         return True
+
+    def _add_socket(self, socket: ReplyWatchingSocket) -> ReplyWatchingSocket:
+        """A socket the PS just bound for this transfer (rescued at once if the push failed)."""
+        with self._rescue_lock:
+            self.sockets.append(socket)
+            if self._rescue_message is not None:
+                self._rescue(socket)
+        return socket
+
+    def _rescue(self, socket: ReplyWatchingSocket) -> None:
+        if not socket.rescued:
+            socket.rescued = True
+            rescue(socket.endpoint, self._rescue_message or "")
 
     def cancel(self, message: str) -> None:
         """End the current transfer although workers took the handle (see

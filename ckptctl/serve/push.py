@@ -138,6 +138,10 @@ class PushFailure:
         says more, goes first); a failed push fails with the server's words, not the
         rescue's echo of them."""
         self.request = request
+        # Before the watcher starts: on a busy machine it may hear of a failure elsewhere before
+        # this rank's update begins, and must end this transfer, not judge it by the last one
+        # (whose workers connected: it waited for that to end, then ended the job).
+        self.session.new_transfer()
         done = threading.Event()
         clock = self.job.watchdog
 

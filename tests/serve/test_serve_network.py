@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CPU_PS_RANK, run_script, wait_until
-from fake_server import Behaviour, FakeServer
+from fake_server import Behaviour, FakeServer, showing_stderr
 from locations import SERVE_RANK, TINY
 from torchrun_launch import torchrun_cmd
 
@@ -116,7 +116,8 @@ def _job(cmd: list[str], env: dict[str, str] | None = None) -> Iterator[subproce
         preexec_fn=_lower_open_files,
     )
     try:
-        yield proc
+        with showing_stderr(proc, "the job"):
+            yield proc
     finally:
         if proc.poll() is None:
             proc.kill()

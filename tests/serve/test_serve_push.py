@@ -90,6 +90,34 @@ def test_a_push_that_breaks_off_after_the_workers_connected_says_partial_and_the
     assert job.returncode == 0, err[-3000:]
 
 
+def test_a_push_that_fails_before_a_rank_began_its_update_fails_alone(short_tmp: Path) -> None:
+    """Issue 37: on a busy machine rank 1 may begin its update after rank 0's server refused
+    it; its push's guard hears of the failure first. The guard judged rank 1's transfer by the
+    previous push's, whose workers had connected, waited 15 s for it to end, then ended the job
+    (`push`: "ended the connection without an answer"). CPU_PS_LATE_UPDATE_RANK forces that
+    order of events."""
+    sock = str(short_tmp / "serve.sock")
+    with (
+        FakeServer(Behaviour()) as s,
+        cpu_serve_job(
+            s.endpoint, "--control-socket", sock, env={"CPU_PS_LATE_UPDATE_RANK": "1"}
+        ) as job,
+    ):
+        assert wait_for_path(sock)
+        connected = _push(sock, "--checkpoint-name", "x-fail-after-connect")
+        assert json.loads(connected.stdout)["server_weights"] == "partial", connected.stderr
+        s.behaviour.update_status = 400
+        refused = _push(sock)
+        assert refused.returncode == 1, refused.stderr
+        assert "refused the update: HTTP 400" in json.loads(refused.stdout)["error"]
+        s.behaviour.update_status = 200
+        again = _push(sock, "--weight-version", "after")
+        assert again.returncode == 0, again.stderr
+        assert s.behaviour.weight_version == "after"
+        _, err = _stop(job, sock)
+    assert job.returncode == 0, err[-3000:]
+
+
 def test_a_push_past_its_timeout_fails_alone_and_the_job_serves_on(short_tmp: Path) -> None:
     """Issue 14 item 4 in serve: a server that takes longer than --push-timeout fails that push
     with exit 4; its workers never connected, so the transfer is ended (the rescue) and the

@@ -12,6 +12,9 @@ What the stand-in can be told to do:
   way checkpoint-engine's does (its return-code all-reduce);
 - CPU_PS_SLOW_UPDATE_RANK=r: rank r's update takes a second longer (a slow node), and no
   rank waits for another at its end (checkpoint-engine's issue #106);
+- CPU_PS_LATE_UPDATE_RANK=r: rank r begins each update only once another rank's part is done,
+  or once its push's guard tried to end it (the push failed elsewhere first: a busy machine's
+  order of events), 20 s at most;
 - CPU_PS_EVENTS=F: every rank appends "update-end NAME" / "unregister NAME" lines to F, one
   shared file, in the order they happen;
 - CPU_PS_SLOW_CHECK_RANK=r: rank r checks a --consume-shm-files plan late;
@@ -75,6 +78,7 @@ class CpuParameterServerSession:
         self.world = int(os.environ["WORLD_SIZE"])
         self.connected = False  # the server's workers took the IPC handle (this update)
         self.rescued: str | None = None
+        self.guard_acted = threading.Event()  # the push's guard tried to end this transfer
         self.on_bucket_loaded: Any = None
         self.real: Any = None  # CPU_PS_TRANSFER=zmq: the real session, around a CpuEngine
         self._engine: Any = None
@@ -179,7 +183,14 @@ class CpuParameterServerSession:
         if self.real is not None:
             self.real.cancel(message)
 
+    def new_transfer(self) -> None:
+        self.connected, self.rescued = False, None
+        self.guard_acted.clear()
+        if self.real is not None:
+            self.real.new_transfer()
+
     def rescue(self, message: str) -> bool:
+        self.guard_acted.set()
         if self.real is not None:
             return bool(self.real.rescue(message))
         if self.connected:
@@ -213,9 +224,18 @@ class CpuParameterServerSession:
                 self._event("update-end", name)
             return
 
-        self.rescued = None
-        self.connected = "fail-after-connect" in name
         self.updates[name] = self.updates.get(name, 0) + 1
+        key = f"cpu-ps/{name}/{self.updates[name]}"
+        store = self.group_store
+        if os.environ.get("CPU_PS_LATE_UPDATE_RANK") == str(self.rank) and store is not None:
+            others = [f"{key}/{r}" for r in range(self.world) if r != self.rank]
+            deadline = time.monotonic() + 20.0
+            while not self.guard_acted.is_set() and not store.check(others):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+        # (A transfer rescued before it began: its handle went to the stand-in peer.)
+        self.connected = "fail-after-connect" in name and self.rescued is None
         paths = [(f"GPU-fake-{r}", f"ipc://@fake-{r}.sock") for r in range(self.world)]
         sent = len(getattr(req_func, "messages", []))
         thread = threading.Thread(target=req_func, args=(paths,))
@@ -230,8 +250,6 @@ class CpuParameterServerSession:
         # (checkpoint-engine's error path): it is over, failed or not.
         leader = getattr(getattr(req_func, "assignment", None), "is_leader", False)
         ok = self.connected or not leader or len(getattr(req_func, "messages", [])) > sent
-        key = f"cpu-ps/{name}/{self.updates[name]}"
-        store = self.group_store
         if ok and self.rescued is None and store is not None:
             store.set(f"{key}/{self.rank}", "done")
 

@@ -516,8 +516,9 @@ def torchrun_job(
     *program: str, env: dict[str, str] | None = None, **torchrun: Any
 ) -> Iterator[subprocess.Popen[str]]:
     """`torchrun_cmd(*program, **torchrun)` running while the block talks to it (a serve job,
-    one node of several), its output piped as text, `env` added to this environment. Killed
-    if it is still running when the block ends (a test that failed)."""
+    one node of several), its output piped as text, `env` added to this environment. A test
+    that fails in the block fails with the job's own stderr (`showing_stderr`); a job still
+    running when the block ends is killed."""
     from torchrun_launch import torchrun_cmd
 
     proc = subprocess.Popen(
@@ -528,10 +529,46 @@ def torchrun_job(
         env={**os.environ, **(env or {})},
     )
     try:
-        yield proc
+        with showing_stderr(proc, "the job"):
+            yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# The end of a job's stderr that a failure shows: its last words (why a rank ended) are there.
+SHOWN_STDERR_CHARS = 12_000
+
+
+@contextlib.contextmanager
+def showing_stderr(proc: subprocess.Popen[str], what: str) -> Iterator[None]:
+    """When the block fails, end `proc` (SIGTERM first: torchrun passes it to its ranks) and
+    add what it wrote on stderr (all of it but what the test read with `read_until`) to the
+    failure: a failure that only shows on a busy machine says why at once, without a rerun."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # (pytest's failures are BaseExceptions)
+        code = proc.poll()
+        state = "still running when the test failed" if code is None else f"ended with {code}"
+        err = _end_and_read_stderr(proc)[-SHOWN_STDERR_CHARS:] or "(nothing)"
+        exc.add_note(f"--- {what}'s stderr ({state}) ---\n{err}")
+        raise
+
+
+def _end_and_read_stderr(proc: subprocess.Popen[str]) -> str:
+    proc.terminate()  # (nothing happens to one that ended)
+    try:
+        return proc.communicate(timeout=30)[1] or ""
+    except subprocess.TimeoutExpired:
+        proc.kill()  # torchrun alone: its ranks end once its store is gone
+    except ValueError:  # (the test closed the pipe)
+        return ""
+    try:
+        return proc.communicate(timeout=10)[1] or ""
+    except subprocess.TimeoutExpired as exc:
+        return (exc.stderr or b"").decode(errors="replace") + "\n(still running: killed)"
 
 
 def run_torchrun(

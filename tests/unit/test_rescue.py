@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 import zmq
 from conftest import wait_until
@@ -14,15 +15,19 @@ from conftest import wait_until
 from ckptctl.ce.transfer_sockets import (
     RESCUE_PREFIX,
     ReplyWatchingSocket,
+    TransferSockets,
     rescue,
 )
 
 
-def _ps_side(ctx: zmq.Context, address: str, seen: dict) -> None:
-    """What `_update_per_bucket` does: send the handle, read a reply, send the abort."""
+def _ps_side(ctx: zmq.Context, address: str, seen: dict, bound: Any = None) -> None:
+    """What `_update_per_bucket` does: send the handle, read a reply, send the abort.
+    `bound`: what the session's socket factory does with the socket it binds."""
     sock = ctx.socket(zmq.REQ)
     sock.bind(address)
     watched = ReplyWatchingSocket(sock, timeout_ms=20_000)
+    if bound is not None:
+        bound(watched)
     seen["socket"] = watched
     watched.send_pyobj(("an", "ipc", "handle"))  # blocks until a peer connects
     seen["reply"] = watched.recv()
@@ -46,6 +51,33 @@ def test_rescue_unblocks_a_sender_whose_peer_never_came() -> None:
     assert not ps.is_alive() and not helper.is_alive()
     assert seen["reply"].decode().startswith(RESCUE_PREFIX)
     assert "dp_size must be 1" in seen["socket"].errors[0]
+    ctx.term()
+
+
+def test_a_rescue_before_the_socket_is_bound_ends_the_transfer_as_it_binds() -> None:
+    """Issue 37: the push failed on another rank before this rank's update began (a busy
+    machine). Its rescue is not judged by the previous transfer, whose worker took the handle
+    (that left it to a cancel that reached nothing, and the job ended 15 s later); the socket
+    this rank binds afterwards is rescued at once."""
+    transfers = TransferSockets()
+    previous = ReplyWatchingSocket(zmq.Context.instance().socket(zmq.REQ), timeout_ms=1000)
+    previous.handle_sent.set()  # its worker took the handle
+    transfers.new_transfer()
+    transfers._add_socket(previous)
+    assert transfers.rescue("too late") is False  # (a cancel ends that one)
+    transfers.new_transfer()
+    assert transfers.rescue("HTTP 400: refused") is True  # nothing bound yet
+    ctx = zmq.Context()
+    address = f"ipc://@ckptctl-test-{os.getpid()}-{time.monotonic_ns()}.sock"
+    seen: dict = {}
+    ps = threading.Thread(
+        target=_ps_side, args=(ctx, address, seen, transfers._add_socket), daemon=True
+    )
+    ps.start()
+    ps.join(timeout=10)
+    assert not ps.is_alive(), "the send of the handle is still blocked"
+    assert seen["reply"].decode() == f"{RESCUE_PREFIX}: HTTP 400: refused"
+    assert transfers.sockets == [seen["socket"]] and not transfers.workers_connected()
     ctx.term()
 
 
