@@ -1,7 +1,10 @@
 """The words every layer shares for what a command was asked: one enum per set of values
-(how a share is registered, how weights reach the servers, how they are proven, whether the
-p2p store starts). The CLI offers them as flag choices as they are; they are str-valued, so a
-JSON result shows the same words. No imports beyond the standard library: the CLI starts fast.
+(the server's kind, how a share is registered, how weights reach the servers, how they are
+proven, whether the p2p store starts), and one name per setting that a message may tell the
+operator to change (`Setting`). The CLI offers the value sets as flag choices as they are; they
+are str-valued, so a JSON result shows the same words. A setting is spelled as a flag in one
+place, `Setting.flag`, for the messages; inside ckptctl it travels by its name. No imports
+beyond the standard library: the CLI starts fast.
 """
 
 from __future__ import annotations
@@ -79,3 +82,27 @@ class P2P(Word):
     off = "off"  # never imported
     optional = "optional"  # used if it starts (a joinable metas file)
     required = "required"  # p2p/all updates, join
+
+
+class Setting(Word):
+    """A setting that bounds a wait, by its one name inside ckptctl; `flag` is what a message
+    tells the operator to raise (the command line's spelling)."""
+
+    timeout = "timeout"  # update, join, save-metas, wait-ready: the whole command
+    push_timeout = "push_timeout"  # serve: each push
+    server_wait = "server_wait"  # serve: a push's wait for a server that does not answer
+    server_start_wait = "server_start_wait"  # serve: the first push's, for one that starts
+    restore_wait = "restore_wait"  # serve: a restore's own short wait (no flag sets it)
+
+    @property
+    def flag(self) -> str:
+        return _FLAGS[self]
+
+
+_FLAGS = {
+    Setting.timeout: "--timeout",
+    Setting.push_timeout: "serve --push-timeout",
+    Setting.server_wait: "serve --server-wait",
+    Setting.server_start_wait: "serve --server-start-wait",
+    Setting.restore_wait: "a restore's wait",
+}

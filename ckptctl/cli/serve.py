@@ -59,7 +59,7 @@ from ckptctl.cli._options import (
 from ckptctl.cli._output import Output
 from ckptctl.defaults import PUSH_LOG_SIZE
 from ckptctl.errors import CkptctlError, UsageError, redact
-from ckptctl.settings import ServerKind, SplitMode
+from ckptctl.settings import ServerKind, Setting, SplitMode
 
 
 def serve_command(
@@ -81,10 +81,22 @@ def serve_command(
             callback=at_least(0),
             rich_help_panel=WAITING,
             help="How long a push waits for a server that does not answer (down, restarting) "
-            "before it fails with exit 1; the job goes on. The first push waits up to "
-            "--push-timeout, for the server's start-up.",
+            "before it fails with exit 1; the job goes on. The first push waits "
+            "--server-start-wait instead.",
         ),
     ] = 30,
+    server_start_wait: Annotated[
+        float,
+        typer.Option(
+            "--server-start-wait",
+            metavar="SECONDS",
+            callback=at_least(0),
+            rich_help_panel=WAITING,
+            help="How long the first push waits for a server that is starting (loading its "
+            "model, capturing CUDA graphs) before it fails with exit 1; a wrong --endpoint "
+            "shows here. At most --push-timeout.",
+        ),
+    ] = 300,
     no_restore: Annotated[
         bool,
         typer.Option(
@@ -142,7 +154,7 @@ def serve_command(
         register_mode=RegisterMode(register_mode.value),
         read_threads=read_threads,
         timeout=push_timeout,
-        timeout_flag="serve --push-timeout",
+        timeout_setting=Setting.push_timeout,
         drop_page_cache=drop_page_cache,
     )
     out = Output(json_mode=json_output, quiet=quiet)
@@ -150,8 +162,8 @@ def serve_command(
     opts = ServeOptions(
         request=request,
         control_socket=control_socket,
-        push_timeout=push_timeout,
         server_wait=server_wait,
+        server_start_wait=server_start_wait,
         restore=not no_restore,
         bucket_size_gb=bucket_size_gb,
         mem_fraction=mem_fraction,

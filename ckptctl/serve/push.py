@@ -36,7 +36,7 @@ from ckptctl.errors import (
 from ckptctl.job.coordination import describe_abort
 from ckptctl.job.runner import Job
 from ckptctl.serve.state import ServedLayout, ServeState, Staged
-from ckptctl.settings import RegisterMode
+from ckptctl.settings import RegisterMode, Setting
 
 if TYPE_CHECKING:
     from ckptctl.ce import ParameterServerSession
@@ -156,7 +156,7 @@ class PushFailure:
                     self(
                         ExitCode.TIMEOUT,
                         f"timed out after {getattr(clock, 'push_timeout_s', 0):g}s during the "
-                        "update; raise serve --push-timeout if the server is just slow",
+                        f"update; raise {Setting.push_timeout.flag} if the server is just slow",
                     )
                     return
 
@@ -262,14 +262,14 @@ def gpu_executor(
                 drop_page_cache=opts.drop_page_cache,
             )
 
-        # The first push may wait for the server's start-up (its deadline); later ones
-        # wait --server-wait at most: a server that is down fails the push, not the job.
+        # The first push may wait --server-start-wait for a server that is starting; later
+        # ones --server-wait: a server that is down fails the push, not the job.
         if action == "restore":
-            wait, flag = min(opts.server_wait, RESTORE_SERVER_WAIT_S), "a restore's wait"
+            wait, bound = min(opts.server_wait, RESTORE_SERVER_WAIT_S), Setting.restore_wait
         elif state.server_seen:
-            wait, flag = opts.server_wait, "serve --server-wait"
+            wait, bound = opts.server_wait, Setting.server_wait
         else:
-            wait, flag = None, "serve --push-timeout"
+            wait, bound = opts.server_start_wait, Setting.server_start_wait
         guard = PushFailure(job, session)
         read = None
         if gate is not None and mode is RegisterMode.direct:
@@ -281,7 +281,7 @@ def gpu_executor(
             session=session,
             group_built=True,
             server_wait=wait,
-            server_wait_flag=flag,
+            server_wait_setting=bound,
             on_planned=on_planned,
             prefetch=prefetch,
             register_early=None if read is None else read.register,

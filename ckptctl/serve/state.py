@@ -30,14 +30,19 @@ if TYPE_CHECKING:
 class ServeOptions:
     request: TransferRequest  # the servers, split and register mode every push starts from
     control_socket: str | None = None  # None: named after the servers (control.py)
-    push_timeout: float = 600.0
     server_wait: float = 30.0  # after the first push: how long a push waits for the server
+    server_start_wait: float = 300.0  # the first push's wait, for a server that is starting
     restore: bool = True  # push the last whole checkpoint again after a partial failure
     bucket_size_gb: float | None = None
     mem_fraction: float | None = None
     verbose: bool = False
     drop_page_cache: bool = False  # each push's file pages, once read into pinned buffers
     metrics: tuple[str, int] | None = None  # serve --metrics-host/--metrics-port
+
+    @property
+    def push_timeout(self) -> float:
+        """Each push's deadline: the request's timeout (Setting.push_timeout)."""
+        return self.request.timeout
 
 
 @dataclass(frozen=True)

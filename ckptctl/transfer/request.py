@@ -16,6 +16,7 @@ from ckptctl.settings import (
     ROUND_TRIP,
     VERIFY,
     RegisterMode,
+    Setting,
     SplitMode,
     UpdateMethod,
     Verify,
@@ -38,7 +39,7 @@ class TransferRequest:
     update_method: UpdateMethod = UpdateMethod.broadcast
     verify: tuple[Verify, ...] = ()  # the ways the flags accept; () for none
     timeout: float = 600.0
-    timeout_flag: str = "--timeout"  # what an error tells to raise
+    timeout_setting: Setting = Setting.timeout  # what an error tells to raise (serve: per push)
 
     def for_push(self, command: dict[str, Any], name: str) -> TransferRequest:
         """A serve push: this job's request with the push's checkpoint and flags."""

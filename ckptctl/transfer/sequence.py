@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ckptctl.settings import P2P, RegisterMode
+from ckptctl.settings import P2P, RegisterMode, Setting
 from ckptctl.transfer import stages
 from ckptctl.transfer.request import TransferRequest
 from ckptctl.transfer.verification import (
@@ -81,7 +81,7 @@ class Transfer:
     save_metas_file: str | None = None  # update --save-metas-file
     group_built: bool = False  # serve: the NCCL group was built at start-up
     server_wait: float | None = None  # None: until the deadline (exit 4); else exit 1
-    server_wait_flag: str = "--timeout"
+    server_wait_setting: Setting = Setting.timeout  # what bounds that wait
     # serve: checks of the planned checkpoint against what the job served before
     on_planned: Callable[[Checkpoint], None] | None = None
     # serve: reads the share into the job's pool; else the early reader, if any
@@ -139,8 +139,13 @@ class Transfer:
                 reader.raise_if_failed()
         verification = None
         if assignment is not None:
-            wait, flag = self.server_wait, self.server_wait_flag
-            stages.wait_for_server(job, assignment, req.servers.engine, limit_s=wait, flag=flag)
+            stages.wait_for_server(
+                job,
+                assignment,
+                req.servers.engine,
+                limit_s=self.server_wait,
+                setting=self.server_wait_setting,
+            )
             self.server_up = True
             if req.verify:  # before anything is pushed: exit 3 where it cannot be done
                 verification = check_offers(job, assignment, req.verify, hashes=self.registered)
@@ -163,7 +168,7 @@ class Transfer:
             timeout=req.timeout,
             transfer_finished=session.wait_transfer_finished,
             on_failure=self.guard or failing_job(job, session),
-            flag=req.timeout_flag,
+            setting=req.timeout_setting,
         )
         self.transfer_began = True
         guarding = self.guard.guarding(request) if self.guard else contextlib.nullcontext()

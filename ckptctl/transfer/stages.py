@@ -24,7 +24,7 @@ from ckptctl.job.groups import GroupAssignment, ServerTargets, group_handles
 from ckptctl.job.runner import Job
 from ckptctl.observe import timeline
 from ckptctl.progress import Reporter, format_bytes
-from ckptctl.settings import P2P, RegisterMode, ServerKind
+from ckptctl.settings import P2P, RegisterMode, ServerKind, Setting
 
 if TYPE_CHECKING:
     import signal
@@ -325,14 +325,15 @@ def wait_for_server(
     engine: str,
     *,
     limit_s: float | None = None,
-    flag: str = "--timeout",
+    setting: Setting = Setting.timeout,
 ) -> None:
     """Each group leader waits until its server answers HTTP (SGLang's 503 counts); every rank
     then meets the others here, so no rank sits in checkpoint-engine's 10-minute store
     timeout while a slow server starts (--timeout may be longer).
 
     limit_s: the longest wait (a serve push's --server-wait), which fails the push with exit 1;
-    None: until the job's deadline, which is exit 4. `flag` is what the error tells to raise."""
+    None: until the job's deadline, which is exit 4. `setting` is what bounds the wait: named
+    from the wait's first line on, so that a wrong endpoint is no silent stall."""
     from ckptctl.readiness import Probe, Prober, wait_ready
 
     with job.reporter.stage("wait_server", "waiting for the inference server") as st:
@@ -340,12 +341,20 @@ def wait_for_server(
         if address is not None:  # (the leader)
             remaining = max(job.watchdog.remaining(), 0.0)
             limit = remaining if limit_s is None else min(limit_s, remaining)
-            said = [0.0]
+            said = [-1.0]  # (when the last line was written: none yet)
 
             def on_attempt(probe: Probe, attempts: int, elapsed: float) -> None:
-                # Visible while it lasts: `status` reads the detail; a log a line every TICK_S.
-                st.detail = f"{address.describe()}: {probe.status}, {elapsed:.0f}s of {limit:.0f}s"
-                if not probe.ready and elapsed - said[0] >= job.reporter.TICK_S:
+                # Visible while it lasts: `status` reads the detail; a log line at the first
+                # answer that is not ready, then one every TICK_S.
+                bound = f"{elapsed:.0f}s of {limit:.0f}s, {setting.flag}"
+                st.detail = f"{address.describe()}: {probe.status} ({bound})"
+                if not probe.ready and said[0] < 0:
+                    said[0] = elapsed
+                    job.reporter.log(
+                        f"waiting up to {limit:.0f}s ({setting.flag}) for {address.describe()}: "
+                        f"{probe.status}"
+                    )
+                elif not probe.ready and elapsed - said[0] >= job.reporter.TICK_S:
                     said[0] = elapsed
                     job.reporter.log(f"still waiting for {st.detail}")
                 if job.coordinator is not None and job.coordinator.scope:
@@ -360,7 +369,7 @@ def wait_for_server(
                 prober.close()
             if not result.ready:
                 what = (
-                    f"{address.describe()} did not answer within {flag} ({limit:.1f}s, "
+                    f"{address.describe()} did not answer within {setting.flag} ({limit:.1f}s, "
                     f"{result.attempts} attempts, last: {result.last_status})"
                 )
                 if limit_s is not None and limit_s < remaining:
@@ -427,7 +436,7 @@ class ServerRequest:
         timeout: float,
         transfer_finished: Callable[[float], bool],
         on_failure: Callable[[int, str], None] | None = None,
-        flag: str = "--timeout",
+        setting: Setting = Setting.timeout,
     ) -> None:
         self.assignment = assignment
         # Where a failure goes: by default the watchdog, which ends every rank; a long-lived
@@ -436,8 +445,8 @@ class ServerRequest:
         self.engine = servers.engine
         self.weight_version = servers.weight_version
         self.watchdog = watchdog
-        self.timeout = timeout  # the command's --timeout (`flag`), for messages
-        self.flag = flag
+        self.timeout = timeout  # the command's timeout (`setting`), for messages
+        self.setting = setting
         # Blocks until the IPC transfer of the current update is over (True) or times out.
         self.transfer_finished = transfer_finished
         self.messages: list[str] = []
@@ -494,7 +503,7 @@ class ServerRequest:
             self.fail(
                 ExitCode.TIMEOUT,
                 f"timed out after {self.timeout:g}s: {address.describe()} did not finish "
-                f"the update; raise {self.flag} if the server is just slow",
+                f"the update; raise {self.setting.flag} if the server is just slow",
             )
             return
         except httpx.HTTPError as exc:

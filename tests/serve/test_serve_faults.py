@@ -222,6 +222,27 @@ def test_a_server_that_does_not_answer_fails_the_push_at_server_wait_and_shows_t
         stop(job, sock)
 
 
+def test_the_first_push_waits_server_start_wait_for_a_wrong_endpoint_and_says_so(
+    short_tmp: Path, refused_endpoint: str
+) -> None:
+    """A serve job pointed at a wrong endpoint: its first push waits --server-start-wait (not
+    the whole --push-timeout), says from its first line which flag bounds the wait, fails with
+    exit 1, and the job serves on."""
+    sock = str(short_tmp / "serve.sock")
+    with cpu_serve_job(
+        refused_endpoint, "--control-socket", sock, "--push-timeout", "300",
+        "--server-start-wait", "3",
+    ) as job:  # fmt: skip
+        assert wait_for_path(sock), "the serve job did not open its control socket"
+        code, doc, _ = push(sock)
+        assert code == 1, doc
+        assert f"{refused_endpoint} did not answer within serve --server-start-wait" in doc["error"]
+        assert doc["server_weights"] is None
+        assert status(sock)["state"] == "idle" and job.poll() is None
+        err = stop(job, sock)
+    assert f"waiting up to 3s (serve --server-start-wait) for {refused_endpoint}: " in err, err
+
+
 def test_stop_cancels_a_push_under_way_and_the_job_ends(short_tmp: Path) -> None:
     """The server's worker is stuck loading a bucket (held): the push's transfer is ended on
     our side all the same, and the job ends, long before --push-timeout."""
@@ -355,8 +376,9 @@ def test_a_second_sigterm_ends_the_job_at_once(short_tmp: Path) -> None:
 
 
 def test_an_update_says_what_it_waits_for_every_ten_seconds(tmp_path: Path) -> None:
-    """Piped, the wait for a server that is down was silent until the error; now a line every
-    Reporter.TICK_S (10 s) says what it waits for and what it last heard."""
+    """Piped, the wait for a server that is down was silent until the error; now its first
+    line names what bounds it (the flag), and a line every Reporter.TICK_S (10 s) says what it
+    waits for and what it last heard."""
     from conftest import CPU_PS_RANK
     from fake_server import reserved_port
 
@@ -368,7 +390,10 @@ def test_an_update_says_what_it_waits_for_every_ten_seconds(tmp_path: Path) -> N
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert r.returncode == 4, r.stderr
-    assert f"still waiting for {endpoint}: connection refused, 1" in r.stderr, r.stderr
+    assert f"s (--timeout) for {endpoint}: connection refused\n" in r.stderr, r.stderr
+    first = r.stderr.index(f"(--timeout) for {endpoint}")
+    assert r.stderr.rfind("waiting up to ", 0, first) != -1, r.stderr  # the wait's first line
+    assert f"still waiting for {endpoint}: connection refused (1" in r.stderr, r.stderr
     # The wait and the job's deadline end together: whichever says so first, the job's
     # deadline names the server while the wait runs (and only the time once it has ended).
     last = r.stderr.strip().splitlines()[-1]
