@@ -102,7 +102,7 @@ def wait_ready_command(
         raise UsageError("--weight-version needs --engine sglang: vLLM reports no weight version")
     address = ServerAddress(endpoint=check_endpoint(endpoint), uds=uds, api_key=api_key)
     goal = f"{for_.value}" + (f" with weight version {weight_version!r}" if weight_version else "")
-    out.log(f"waiting up to {timeout:g}s for {address.describe()} to be {goal}")
+    out.log(f"waiting up to {timeout:g}s (--timeout) for {address.describe()} to be {goal}")
 
     last_status: list[str] = []
     last_line_at = [0.0]  # elapsed seconds when the last plain line was written

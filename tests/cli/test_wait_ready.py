@@ -439,7 +439,8 @@ def test_one_line_per_state_change_not_per_poll(refused_endpoint: str) -> None:
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     # "waiting up to...", one "connection refused" line for dozens of polls, the error line
     # (and at most one more state: a last attempt the deadline cut short has no answer).
-    assert lines[0].startswith("waiting up to") and lines[-1].startswith("error:"), lines
+    assert lines[0].startswith("waiting up to 1s (--timeout) for "), lines  # the flag, first
+    assert lines[-1].startswith("error:"), lines
     states = lines[1:-1]
     assert sum("connection refused" in line for line in states) == 1 and len(states) <= 2, lines
     assert r.stdout == ""
