@@ -118,8 +118,9 @@ def run(args: list[str]) -> int:
     return _run_typer(args)
 
 
-# Flags a command also takes under another name (Typer would list both names in one column).
-ALIASES = {"save-metas": {"--save-metas-file": "--metas-file"}}
+# Older names a command still takes for a flag (Typer would list both names in one column):
+# the flag's help says so in a line. save-metas's --metas-file is the CLI contract's name.
+ALIASES = {"save-metas": {"--metas-file": "--save-metas-file"}}
 
 
 def _unaliased(args: list[str]) -> list[str]:

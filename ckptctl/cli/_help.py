@@ -115,7 +115,7 @@ MAIN_FLAGS: dict[str, list[tuple[str, str]]] = {
     "doctor": [
         ("--endpoint URL", "also check this server (once per server)"),
         ("--api-key KEY", "the server's key, for its weights checker"),
-        ("--timeout SECONDS", "how long each server may take to answer"),
+        ("--timeout SECONDS", "how long the servers may take to answer, in all"),
         ("--json", "one JSON document on stdout"),
     ],
     "wait-ready": [
@@ -139,7 +139,7 @@ MAIN_FLAGS: dict[str, list[tuple[str, str]]] = {
     ],
     "save-metas": [
         ("--checkpoint-path DIR", "the safetensors checkpoint (required)"),
-        ("--metas-file FILE", "where rank 0 writes the metas file (required)"),
+        ("--save-metas-file FILE", "where rank 0 writes the metas file (required)"),
         ("--sleep-time SECONDS", "serve this long (default: until a signal)"),
         ("--json", "one JSON document on stdout"),
     ],
@@ -158,7 +158,8 @@ MAIN_FLAGS: dict[str, list[tuple[str, str]]] = {
         ("--endpoint URL", "the server's base URL, once per server group"),
         ("--inference-parallel-size N", "GPUs of each server (its TP size)"),
         ("--push-timeout SECONDS", "how long one push may take (exit 4)"),
-        ("--server-wait SECONDS", "how long a push waits for a server that is down"),
+        ("--server-start-wait SECONDS", "how long the first push waits for the server"),
+        ("--server-wait SECONDS", "how long a later push waits for a server that is down"),
         ("--control-socket PATH", "where push, status and stop find the job"),
     ],
     "push": [
@@ -183,7 +184,7 @@ MAIN_FLAGS: dict[str, list[tuple[str, str]]] = {
         ("--json", "one JSON document on stdout"),
     ],
     "stop": [
-        ("--wait SECONDS", "wait this long for the job to end"),
+        ("--timeout SECONDS", "wait this long for every rank to end (exit 4)"),
         ("--json", "one JSON document on stdout"),
     ],
 }

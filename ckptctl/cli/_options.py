@@ -128,6 +128,17 @@ EndpointsOpt = Annotated[
         "spaces).",
     ),
 ]
+# doctor: the servers to check, none by default.
+CheckEndpointsOpt = Annotated[
+    list[str] | None,
+    _from_env(
+        "--endpoint",
+        "URL",
+        ENDPOINT_ENV,
+        f"{_ENDPOINT_HELP} to check; give it once per server (the list update and serve take). "
+        "Default: none (no server is checked).",
+    ),
+]
 UdsOpt = Annotated[
     str | None, _from_env("--uds", "PATH", UDS_ENV, f"{_UDS_HELP}, used for every HTTP call.")
 ]
@@ -347,17 +358,17 @@ def _sleep_time(help: str, **more: Any) -> Any:
                 **more)  # fmt: skip
 
 
-SleepTimeOpt = Annotated[
-    float, _sleep_time("Seconds to stay alive after the update, serving the registered weights.")
-]
-# save-metas: until a signal unless given.
+# One meaning in both commands: how long the registered weights stay up for joiners once the
+# command's work is done; only the defaults differ (the seed's 0 for update, a signal for
+# save-metas, whose work is to hold them).
+_SLEEP_TIME_HELP = (
+    "Seconds to keep serving the registered weights to joiners once the work is done, then "
+    "unregister them and exit 0 (SIGTERM or SIGINT end it sooner, as cleanly)."
+)
+SleepTimeOpt = Annotated[float, _sleep_time(_SLEEP_TIME_HELP)]
 HoldTimeOpt = Annotated[
     float | None,
-    _sleep_time(
-        "Serve the weights for this many seconds, then unregister and exit 0. Default: until "
-        "SIGTERM or SIGINT (then the same, cleanly).",
-        show_default=False,
-    ),
+    _sleep_time(f"{_SLEEP_TIME_HELP} Default: until a signal.", show_default=False),
 ]
 PushTimeoutOpt = Annotated[
     float,

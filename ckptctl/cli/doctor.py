@@ -11,7 +11,7 @@ from ckptctl.cli._options import (
     OUTPUT,
     SERVER,
     ApiKeyOpt,
-    EndpointsOpt,
+    CheckEndpointsOpt,
     HelpOpt,
     JsonOpt,
     UdsListOpt,
@@ -24,7 +24,7 @@ STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
 
 def doctor_command(
-    endpoint: EndpointsOpt = None,
+    endpoint: CheckEndpointsOpt = None,
     uds: UdsListOpt = None,
     api_key: ApiKeyOpt = None,
     timeout: Annotated[

@@ -9,7 +9,7 @@ import typer
 
 from ckptctl.cli._options import CHECKPOINT, AllowPickleOpt, HelpOpt, JsonOpt, QuietOpt
 from ckptctl.cli._output import Output
-from ckptctl.errors import OperationFailed
+from ckptctl.errors import OperationFailed, UsageError
 
 if TYPE_CHECKING:
     from ckptctl.metas import CheckpointTensor, Difference, MetasSummary
@@ -19,13 +19,24 @@ _SHOWN_DIFFERENCES = 20
 
 def inspect_metas_command(
     file: Annotated[
-        Path,
+        Path | None,
         typer.Argument(
             metavar="FILE",
             show_default=False,
-            help="A metas file (ckptctl's JSON, or a legacy pickle with --allow-pickle).",
+            help="A metas file (ckptctl's JSON, or a legacy pickle with --allow-pickle); or "
+            "name it with --load-metas-file, as update and join do.",
         ),
-    ],
+    ] = None,
+    load_metas_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--load-metas-file",
+            metavar="FILE",
+            show_default=False,
+            rich_help_panel=CHECKPOINT,
+            help="The metas file, as update and join name it (instead of FILE).",
+        ),
+    ] = None,
     checkpoint_path: Annotated[
         Path | None,
         typer.Option(
@@ -45,6 +56,10 @@ def inspect_metas_command(
     from ckptctl.metas import compare_with_checkpoint, read_metas_file, summarize
 
     out = Output(json_mode=json_output, quiet=quiet)
+    if (file is None) == (load_metas_file is None):
+        raise UsageError("name one metas file: FILE, or --load-metas-file FILE")
+    file = file or load_metas_file
+    assert file is not None
     metas_file = read_metas_file(file, allow_pickle=allow_pickle)
     if metas_file.legacy_pickle:
         out.warn(

@@ -33,12 +33,12 @@ def save_metas_command(
     metas_file: Annotated[
         Path,
         typer.Option(
-            "--metas-file",
+            "--save-metas-file",
             metavar="FILE",
             show_default=False,
             rich_help_panel=CHECKPOINT,
-            help="Where rank 0 writes the metas file (JSON, checksummed, written atomically). "
-            "--save-metas-file, as `update` calls it, works too.",
+            help="Where rank 0 writes the metas file (JSON, checksummed, written atomically), "
+            "as `update --save-metas-file` does. Its older name, --metas-file, works too.",
         ),
     ],
     checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,

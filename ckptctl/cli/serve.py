@@ -57,13 +57,13 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.defaults import PUSH_LOG_SIZE
+from ckptctl.defaults import DEFAULT_ENDPOINT, PUSH_LOG_SIZE
 from ckptctl.errors import CkptctlError, UsageError, redact
 from ckptctl.settings import ServerKind, Setting, SplitMode
 
 
 def serve_command(
-    endpoint: EndpointsOpt = None,
+    endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
     uds: UdsListOpt = None,
     inference_parallel_size: InferenceParallelSizeOpt = 8,
     engine: EngineOpt = ServerKind.sglang,

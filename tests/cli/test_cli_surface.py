@@ -57,7 +57,7 @@ def dry(*args: str) -> list[str]:
     ("args", "words"),
     [
         (dry("--world-size", "two", "--json"), "--world-size takes a whole number, not 'two'"),
-        (["inspect-metas", "--json"], "FILE is required"),
+        (["inspect-metas", "--json"], "name one metas file: FILE, or --load-metas-file FILE"),
         (dry("--split", "bytes", "--json"), "--split takes one of auto, files, tensors"),
         (["update", "--bogus", "--json"], "no such option --bogus"),
         (["wait-ready", "--interval", "0", "--json"], "--interval must be at least 0.01"),
@@ -181,9 +181,9 @@ def test_a_failed_command_as_the_installed_script() -> None:
             ["update", "--endpont", "x"],
             "error: no such option --endpont; did you mean --endpoint? (see ckptctl update --help)",
         ),
-        (["save-metas", "--checkpoint-path", "x"], None),  # --metas-file is required
+        (["save-metas", "--checkpoint-path", "x"], None),  # --save-metas-file is required
         (["update", "--endpoint"], "error: --endpoint needs a value (see ckptctl update --help)"),
-        (["inspect-metas"], "error: FILE is required (see ckptctl inspect-metas --help)"),
+        (["inspect-metas"], "error: name one metas file: FILE, or --load-metas-file FILE"),
         (["updat"], "error: no such command 'updat'; did you mean update? (see ckptctl --help)"),
         (
             ["serve", "--register-mode", "engine", "--drop-page-cache", "--endpoint", "http://h"],
@@ -434,18 +434,23 @@ def test_help_texts_say_it_right(
     for command, out in helps.items():
         assert not re.search(r"default: \d+\.0\]", out), command  # 600, not 600.0
     assert re.search(r"--bucket-size-gb +N +", helps["update"]) and "GIB" not in helps["update"]
-    metas_file = helps["save-metas"].split("--metas-file", 1)[1].split("--checkpoint-name")[0]
-    assert "[required]" in metas_file and "│ *  --metas-file" in helps["save-metas"]
+    metas_file = helps["save-metas"].split("--save-metas-file", 1)[1]
+    metas_file = metas_file.split("--checkpoint-name")[0]
+    assert "[required]" in metas_file and "│ *  --save-metas-file" in helps["save-metas"]
+    assert "--metas-file, works too" in " ".join(metas_file.split())  # its older name, noted
 
 
-def test_save_metas_file_still_names_the_metas_file(
+def test_save_metas_names_its_file_as_update_does_and_takes_the_older_name(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """--save-metas-file, as `update` calls it, still works for save-metas (it reaches the
-    checkpoint check: exit 3 for a missing one), in both spellings."""
+    """save-metas names its file --save-metas-file, as `update` does; --metas-file, the CLI
+    contract's name, still works (it reaches the checkpoint check: exit 3 for a missing one),
+    in every spelling."""
     for flag in (
         ["--save-metas-file", str(tmp_path / "m.json")],
         [f"--save-metas-file={tmp_path}/m"],
+        ["--metas-file", str(tmp_path / "m.json")],
+        [f"--metas-file={tmp_path}/m"],
     ):
         code, _, err = cli(capsys, "save-metas", "--checkpoint-path", "/nope", *flag)
         assert code == 3 and "/nope: does not exist" in err, err
