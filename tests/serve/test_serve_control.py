@@ -491,3 +491,26 @@ def test_a_relative_socket_dir_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv(SOCKET_DIR_ENV, "sockets")
     r = run_script("status", timeout=30)
     assert r.returncode == 2 and "CKPTCTL_SOCKET_DIR=sockets is not an absolute path" in r.stderr
+
+
+def test_ctrl_c_on_a_push_finds_its_answer_also_when_it_was_refused(short_tmp: Path) -> None:
+    """Ctrl-C on `push` cancels it and waits for its answer in `status`: a push that ended
+    refused before sending is there as `last_refused` (it does not replace `last`)."""
+    from ckptctl.cli._output import Output
+    from ckptctl.cli.serve import _cancel
+
+    refused = {"ok": False, "exit_code": 3, "seq": 2, "push_id": "mine",
+               "server_weights": None, "error": "no checkpoint at /typo"}  # fmt: skip
+    last = {"ok": True, "exit_code": 0, "seq": 1, "push_id": "before", "server_weights": "whole"}
+    handlers: dict[tuple[str, str], control.Handler] = {
+        ("POST", "/cancel"): lambda _: (200, {"ok": True, "cancel": "cancelling", "seq": 2}),
+        ("GET", "/status"): lambda _: (200, {"ok": True, "last": last, "last_refused": refused}),
+    }
+    path = str(short_tmp / "ctl.sock")
+    server = ControlServer(path, handlers).start()
+    try:
+        answer = _cancel(Output(quiet=True), path, "mine")
+    finally:
+        server.close()
+    assert answer["exit_code"] == 3 and answer["seq"] == 2, answer
+    assert answer["error"].startswith("no checkpoint at /typo")

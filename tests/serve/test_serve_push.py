@@ -267,7 +267,8 @@ def test_a_push_of_other_shapes_is_refused_before_anything_is_sent(
         assert events.read_text() == seen  # nothing unregistered, nothing updated
         st = _status(sock)
         assert st["state"] == "idle" and st["registered"] == "first"
-        assert st["server_weights"] == "whole" and st["last"]["exit_code"] == 3
+        assert st["server_weights"] == "whole" and st["last_refused"]["exit_code"] == 3
+        assert st["last"]["checkpoint_name"] == "first"  # the last push that ran
         human = run_script("status", "--control-socket", sock, timeout=30).stdout
         assert "served layout: 4 tensors" in human, human
 
