@@ -524,10 +524,8 @@ class ServeLoop:
                 command["trace"], merged["ranks"], write_it=self.rank == 0
             )
         self.status.record(merged)
-        if self.metrics is not None and merged["action"] == "stage":
-            self.metrics.idle()  # (a read ahead is no push)
-        elif self.metrics is not None:
-            self.metrics.pushed(merged, stages, self.status.weights)
+        if self.metrics is not None:
+            self.metrics.ended(merged, stages, self.status.weights)
         if self.rank == 0:
             what = f"{merged['action']} {merged['seq']} ({merged['checkpoint_path']})"
             if merged["ok"]:
