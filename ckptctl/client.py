@@ -296,7 +296,8 @@ def status(
     names: Names = ARGUMENTS,
 ) -> dict[str, Any]:
     """What the serve job holds and did last: `ckptctl status --json`'s document (`ok`,
-    `exit_code`, `error`, `state`, `commands` = `succeeded` + `failed`, `running`, `last`...).
+    `exit_code`, `error`, `state`, `commands` = `succeeded` + `failed`, `running`, `last`,
+    `last_refused`: the last push refused before it sent anything, kept out of `last`...).
 
     history: also the job's push log, `status --history --json`'s fields: `pushes` (the last
     `history_limit`, oldest first: seq, checkpoint_path, weight_version, outcome, wall_s,

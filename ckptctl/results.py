@@ -145,6 +145,9 @@ def leave_group_to_exit(code: int) -> None:
     os._exit(int(code))
 
 
+REFUSED = "refused before sending"
+
+
 def outcome(result: dict[str, Any]) -> str:
     """How a push ended, in one word or phrase: ok, rolled back (a rollback that succeeded),
     restored (it failed mid-transfer and the last whole push was pushed again), cancelled,
@@ -157,5 +160,5 @@ def outcome(result: dict[str, Any]) -> str:
     if code == ExitCode.INTERRUPTED:
         return "cancelled"
     if code == ExitCode.INVALID_INPUT and result.get("server_weights") is None:
-        return "refused before sending"
+        return REFUSED
     return "failed"

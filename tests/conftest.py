@@ -34,6 +34,8 @@ from cli_run import ckptctl_script, invoke, run_script  # noqa: E402, F401 - tes
 from fake_server import Behaviour, FakeServer, reserved_port, torchrun_job  # noqa: E402
 from locations import CPU_PS_RANK  # noqa: E402
 
+from ckptctl.defaults import SOCKET_DIR_ENV  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _own_environment() -> Iterator[None]:
@@ -45,6 +47,22 @@ def _own_environment() -> Iterator[None]:
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def _suite_socket_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sockets")  # (short: a socket's path stays under ~100 bytes)
+
+
+@pytest.fixture(autouse=True)
+def socket_dir(_suite_socket_root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where this test's serve jobs put their control sockets and its clients look for them: a
+    directory of its own under pytest's, never $XDG_RUNTIME_DIR/ckptctl/ or /tmp/ckptctl-UID/,
+    where the user's own serve jobs are. In the environment, so every process the test starts
+    looks there too (test_serve_control.py checks that the suite sees no job of the user's)."""
+    path = Path(tempfile.mkdtemp(prefix="t", dir=_suite_socket_root))  # 0700
+    monkeypatch.setenv(SOCKET_DIR_ENV, str(path))
+    return path
 
 
 @pytest.fixture

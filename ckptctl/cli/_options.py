@@ -391,7 +391,8 @@ ControlSocketOpt = Annotated[
         CONTROL_SOCKET_ENV,
         # (No square brackets: help text is Rich markup, where [..] is a style tag.)
         "Unix socket of this node's control endpoint. Default: serve-DIGEST.sock, named after "
-        "the servers, in $XDG_RUNTIME_DIR/ckptctl/ or /tmp/ckptctl-UID/.",
+        "the servers, in $XDG_RUNTIME_DIR/ckptctl/ or /tmp/ckptctl-UID/ ($CKPTCTL_SOCKET_DIR "
+        "in place of both when set).",
         SERVE_JOB,
         show_default=False,
     ),

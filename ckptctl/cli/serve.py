@@ -374,9 +374,10 @@ def _cancel(out: Output, path: str, push_id: str) -> dict[str, Any]:
                     "server's weights are unchanged"}  # fmt: skip
         deadline = time.monotonic() + CANCEL_WAIT_S
         while time.monotonic() < deadline:
-            last = client.status(control_socket=path).get("last") or {}
-            if last.get("push_id") == push_id:  # its answer: cancelled, or over before that
-                return _says_the_weights(dict(last))
+            doc = client.status(control_socket=path)
+            for last in (doc.get("last") or {}, doc.get("last_refused") or {}):
+                if last.get("push_id") == push_id:  # its answer: cancelled, or over before that
+                    return _says_the_weights(dict(last))
             time.sleep(0.2)
     except CkptctlError as exc:
         reason = f" ({exc})"
@@ -598,24 +599,30 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
     running = doc.get("running")
     if running:
         lines.append(f"now: {describe_running(running)}")
-    last = doc.get("last")
-    if last:
+    # The last command that ran, and after it the last one refused before sending, if later.
+    last, refused = doc.get("last"), doc.get("last_refused")
+    if refused and last and int(refused.get("seq") or 0) < int(last.get("seq") or 0):
+        refused = None
+    for shown in (last, refused):
+        if not shown:
+            continue
         head = (
-            f"last {last.get('action') or 'push'} {last.get('seq')}: {last.get('checkpoint_path')}"
+            f"last {shown.get('action') or 'push'} {shown.get('seq')}: "
+            f"{shown.get('checkpoint_path')}"
         )
-        if last.get("ok"):
-            size = last.get("total_bytes") or 0
-            secs = float(last.get("wall_s") or last.get("seconds") or 0)
-            moved = size and secs > 0 and last.get("action") != "stage"  # (a stage only plans)
+        if shown.get("ok"):
+            size = shown.get("total_bytes") or 0
+            secs = float(shown.get("wall_s") or shown.get("seconds") or 0)
+            moved = size and secs > 0 and shown.get("action") != "stage"  # (a stage only plans)
             rate = f", {format_bytes(size / secs)}/s" if moved else ""
             lines.append(
                 f"{head}: ok in {secs:.2f}s ({format_bytes(size)}{rate}), "
-                f"at {_ago(last.get('finished_at'))}"
+                f"at {_ago(shown.get('finished_at'))}"
             )
         else:
-            how = outcome(last)  # (as --history says it: cancelled, refused before sending...)
+            how = outcome(shown)  # (as --history says it: cancelled, refused before sending...)
             how = "failed, restored" if how == "restored" else how
-            lines.append(f"{head}: {how} (exit {last.get('exit_code')}): {last.get('error')}")
+            lines.append(f"{head}: {how} (exit {shown.get('exit_code')}): {shown.get('error')}")
     staged = doc.get("staged")
     if staged:
         read = (

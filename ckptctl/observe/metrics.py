@@ -2,14 +2,20 @@
 
 Rank 0 takes every push and merges every rank's result, so its figures are the job's; other
 ranks (and other nodes) serve no metrics. The registry is a private one (nothing of the
-process's default collectors), served over HTTP (prometheus_client's WSGI app) in a daemon
-thread: a scrape reads figures the push loop has already set, or computes a gauge from a
-number the loop keeps (time since the last good push, pinned memory), and never takes a lock
-the push holds. prometheus_client is imported only here, and only when metrics are asked for.
+process's default collectors): a scrape reads figures the push loop has already set, and never
+takes a lock the push holds. Names follow Prometheus's conventions: a counter ends in _total,
+a time that passes is a timestamp gauge (the dashboard computes `time() - ...`), and a label
+is never named after its metric. prometheus_client is imported only here, and only when
+metrics are asked for.
 
-Whatever reaches the port can open connections: at most MAX_SCRAPERS are served at once (one
-thread each; more are closed at once), and one that sends nothing for SCRAPE_TIMEOUT_S is
-closed, so a flood of idle connections costs a few threads for a few seconds, never the job.
+Whatever reaches the port can open connections and send its request a byte at a time, so the
+HTTP server here (MetricsServer, one thread a connection, the control socket's bounded request
+reader) holds at most MAX_SCRAPERS connections, gives each SCRAPE_DEADLINE_S for its whole
+exchange (not for each read), and caps the request's head (control.MAX_HEADER_BYTES). A new
+connection to a full server is not refused: it takes the place of the oldest one still
+sending its request once that one has had EVICT_AFTER_S (a scraper sends its request at once,
+so only a slow client is ever cut off), and waits in the listen queue meanwhile. Slow clients
+that reconnect at once cost a few threads and never keep a scraper from its answer.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 INSTALL_HINT = "pip install 'ckptctl[metrics]'"
@@ -27,8 +35,10 @@ INSTALL_HINT = "pip install 'ckptctl[metrics]'"
 OUTCOMES = ("ok", "rolled_back", "failed", "restored", "refused", "cancelled")
 STATES = ("starting", "idle", "busy", "stopping")
 
-MAX_SCRAPERS = 8
-SCRAPE_TIMEOUT_S = 5.0
+MAX_SCRAPERS = 8  # connections served at once
+SCRAPE_DEADLINE_S = 10.0  # for a connection's whole exchange (Prometheus's default timeout)
+EVICT_AFTER_S = 1.0  # a request still unread this long may make room for a new connection
+CONNECTION_THREAD = "ckptctl-metrics-conn"  # (the name of each connection's thread)
 
 _PUSH_S = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _STAGE_S = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
@@ -56,13 +66,12 @@ def outcome_of(merged: dict[str, Any]) -> str:
 
 
 class ServeMetrics:
-    """The job's metrics; the serve loop calls `busy`, `pushed` and `stopping`."""
+    """The job's metrics; the serve loop calls `busy`, `idle`, `ended` and `stopping`."""
 
-    def __init__(self, pinned_bytes: Callable[[], Any]) -> None:
+    def __init__(self) -> None:
         from prometheus_client import (
             CollectorRegistry,
             Counter,
-            Enum,
             Gauge,
             Histogram,
             Info,
@@ -71,7 +80,6 @@ class ServeMetrics:
 
         disable_created_metrics()  # (a _created gauge beside every counter: noise to a scrape)
         self.registry = r = CollectorRegistry()
-        self._last_ok: float | None = None  # time.monotonic() of the last good push
         self._server_weights = "whole"  # a push that never reached the server changes nothing
         self.pushes = Counter(
             "ckptctl_pushes", "Pushes by how they ended.", ["outcome"], registry=r
@@ -80,7 +88,7 @@ class ServeMetrics:
             self.pushes.labels(outcome)
         self.duration = Histogram(
             "ckptctl_push_duration_seconds",
-            "Wall time of a push (its slowest rank).",
+            "Wall time of a push (its slowest rank); pushes refused before sending not counted.",
             buckets=_PUSH_S,
             registry=r,
         )
@@ -117,73 +125,87 @@ class ServeMetrics:
             "ckptctl_served_push", "The push number of the checkpoint served.", registry=r
         )
         self.served_push.set(math.nan)
-        since = Gauge(
-            "ckptctl_seconds_since_last_good_push",
-            "Seconds since the last push that succeeded (NaN before the first).",
+        self.last_good_push = Gauge(
+            "ckptctl_last_good_push_timestamp_seconds",
+            "Unix time at which the last push (or rollback) that succeeded ended (NaN before "
+            "the first): its age is time() minus this.",
             registry=r,
         )
-        since.set_function(self._since_last_ok)
-        pinned = Gauge(
+        self.last_good_push.set(math.nan)
+        self.pinned = Gauge(
             "ckptctl_pinned_host_memory_bytes",
-            "Host memory this rank holds pinned for pushes (serve --register-mode direct).",
+            "Host memory each rank holds pinned for pushes (serve --register-mode direct), as "
+            "of the last push or stage it ran; sum() for the job's.",
+            ["rank"],
             registry=r,
         )
-        pinned.set_function(lambda: float(pinned_bytes() or 0))
-        self.state = Enum(
-            "ckptctl_serve_state", "What the serve job is doing.", states=list(STATES), registry=r
+        self._state = Gauge(
+            "ckptctl_serve_state",
+            f"What the serve job is doing: 1 for its state ({', '.join(STATES)}), 0 for the "
+            "others.",
+            ["state"],
+            registry=r,
         )
-        self._server: Any = None
-        self._thread: Any = None
-
-    def _since_last_ok(self) -> float:
-        last = self._last_ok
-        return math.nan if last is None else time.monotonic() - last
+        self.set_state("starting")
+        self._server: MetricsServer | None = None
 
     def serve(self, host: str, port: int) -> None:
         """Listen on host:port (raises OSError when it cannot)."""
-        self._server = bounded_server(host, port, self.registry)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="ckptctl-metrics", daemon=True
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        self._server = MetricsServer(
+            host, port, lambda: generate_latest(self.registry), CONTENT_TYPE_LATEST
         )
-        self._thread.start()
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._server.server_address[:2]
-        return str(host), int(port)
+        assert self._server is not None
+        return self._server.address
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
 
     # -- the serve loop's hooks (rank 0's main thread) ---------------------------------------
 
+    def set_state(self, state: str) -> None:
+        for each in STATES:
+            self._state.labels(each).set(1 if each == state else 0)
+
     def idle(self) -> None:
-        self.state.state("idle")
+        self.set_state("idle")
 
     def busy(self) -> None:
-        self.state.state("busy")
+        self.set_state("busy")
 
     def stopping(self) -> None:
-        self.state.state("stopping")
+        self.set_state("stopping")
 
-    def pushed(
+    def ended(
         self, merged: dict[str, Any], stages: list[Any], served: dict[str, Any] | None
     ) -> None:
-        """One push is over: `merged` is its answer, `stages` rank 0's StageFigures of it,
-        `served` the whole checkpoint the server holds (the loop's history). Metrics must
-        never end the job: whatever goes wrong here is dropped."""
+        """One command is over (a push, a rollback or a stage): `merged` is its answer with
+        every rank's result, `stages` rank 0's StageFigures of it, `served` the whole
+        checkpoint the server holds (the loop's history). Metrics must never end the job:
+        whatever goes wrong here is dropped."""
         with contextlib.suppress(Exception):
-            self._pushed(merged, stages, served)
-        self.state.state("idle")
+            self._ended(merged, stages, served)
+        self.set_state("idle")
 
-    def _pushed(
+    def _ended(
         self, merged: dict[str, Any], stages: list[Any], served: dict[str, Any] | None
     ) -> None:
+        for result in merged.get("ranks") or []:  # (every rank's figure is in rank 0's answer)
+            pinned = result.get("pinned_pool_bytes")
+            if isinstance(pinned, int) and isinstance(result.get("rank"), int):
+                self.pinned.labels(str(result["rank"])).set(pinned)
+        if merged.get("action") == "stage":
+            return  # a read ahead is no push
         outcome = outcome_of(merged)
         self.pushes.labels(outcome).inc()
+        if outcome == "refused":
+            return  # nothing was sent: no push to time, the server's weights unchanged
         self.duration.observe(float(merged.get("wall_s") or 0.0))
         for st in stages:
             self.stage_duration.labels(st.name).observe(st.seconds)
@@ -191,7 +213,7 @@ class ServeMetrics:
                 self.server_wait.observe(st.seconds)
         size = merged.get("total_bytes")
         if merged.get("ok"):  # a push or a rollback that the server took whole
-            self._last_ok = time.monotonic()
+            self.last_good_push.set(time.time())
             if isinstance(size, int):
                 self.pushed_bytes.inc(size)
                 self.push_size.observe(size)
@@ -209,56 +231,155 @@ class ServeMetrics:
             )
 
 
-def bounded_server(host: str, port: int, registry: Any) -> Any:
-    """A WSGI server of `registry`'s metrics on host:port that serves MAX_SCRAPERS connections
-    at once, each for at most SCRAPE_TIMEOUT_S of silence (see the module's docstring)."""
-    import socket
-    import socketserver
-    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+class MetricsServer:
+    """GET /metrics over HTTP/1.1, one request a connection, for clients we do not trust (see
+    the module's docstring): `page()` is the answer's body."""
 
-    from prometheus_client import make_wsgi_app
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        page: Callable[[], bytes],
+        content_type: str,
+        *,
+        deadline_s: float = SCRAPE_DEADLINE_S,
+    ) -> None:
+        self._page = page
+        self._content_type = content_type
+        self._deadline_s = deadline_s
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            # (a job started again binds its port while the last one's connections linger)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, port))
+            self._sock.listen(64)
+        except OSError:
+            self._sock.close()
+            raise
+        self.address = (str(self._sock.getsockname()[0]), int(self._sock.getsockname()[1]))
+        # Every open connection: when it began, while its request is still being read (None
+        # once it is read, or it was cut off: it is not cut off again).
+        self._open: dict[socket.socket, float | None] = {}
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="ckptctl-metrics", daemon=True
+        )
+        self._thread.start()
 
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            for conn in self._open:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+            self._changed.notify_all()
+        self._thread.join(timeout=2)
+        self._sock.close()
 
-    class Handler(WSGIRequestHandler):
-        timeout = SCRAPE_TIMEOUT_S  # (socketserver applies it to each connection's reads)
-
-        def log_message(self, *args: Any) -> None:
-            pass  # a scrape is not worth a line on the job's stderr
-
-    class Server(socketserver.ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-        address_family = family
-        slots = threading.BoundedSemaphore(MAX_SCRAPERS)
-
-        def process_request(self, request: Any, client_address: Any) -> None:
-            if not self.slots.acquire(blocking=False):
-                self.shutdown_request(request)  # full: this one is closed unanswered
+    def _accept_loop(self) -> None:
+        self._sock.settimeout(0.2)
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.1)  # out of file descriptors, say: do not spin
+                continue
+            began = self._make_room(conn)
+            if began is None:
+                conn.close()
                 return
             try:
-                super().process_request(request, client_address)
-            except BaseException:
-                self.slots.release()
-                raise
+                threading.Thread(
+                    target=self._serve, args=(conn, began), name=CONNECTION_THREAD, daemon=True
+                ).start()
+            except RuntimeError:  # no thread to be had: this one goes unanswered
+                self._done(conn)
 
-        def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def _make_room(self, conn: socket.socket) -> float | None:
+        """Wait for a free place among MAX_SCRAPERS, cutting off the oldest connection still
+        sending its request once it has had EVICT_AFTER_S; then give it to `conn`, from now
+        (returned; None: the server closed meanwhile)."""
+        with self._changed:
+            while len(self._open) >= MAX_SCRAPERS and not self._closed:
+                reading = [(began, c) for c, began in self._open.items() if began is not None]
+                wait = 0.2  # (until a connection ends and says so)
+                if reading:
+                    began, oldest = min(reading, key=lambda item: item[0])
+                    wait = began + EVICT_AFTER_S - time.monotonic()
+                    if wait <= 0:
+                        self._open[oldest] = None
+                        with contextlib.suppress(OSError):
+                            oldest.shutdown(socket.SHUT_RDWR)  # its thread ends at once
+                        wait = 0.2
+                self._changed.wait(wait)
+            if self._closed:
+                return None
+            began = self._open[conn] = time.monotonic()
+            return began
+
+    def _serve(self, conn: socket.socket, began: float) -> None:
+        from ckptctl.serve.control import HttpError, read_request
+
+        deadline = began + self._deadline_s
+        try:
             try:
-                super().process_request_thread(request, client_address)
+                request = read_request(conn, deadline)
             finally:
-                self.slots.release()
+                with self._changed:
+                    self._open[conn] = None  # read (or cut off): not cut off any more
+            if request is None:
+                return  # a client that hung up, or one cut off to make room
+            method, path, _ = request
+            if path != "/metrics":
+                self._answer(conn, HTTPStatus.NOT_FOUND, b"see /metrics\n", deadline)
+            elif method != "GET":
+                self._answer(conn, HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", deadline)
+            else:
+                self._answer(conn, HTTPStatus.OK, self._page(), deadline, self._content_type)
+        except HttpError as exc:  # a malformed or oversized request, or past its deadline
+            with contextlib.suppress(OSError):
+                self._answer(conn, HTTPStatus(exc.status), f"{exc}\n".encode(), deadline)
+        except OSError:
+            pass  # the client went away, or stopped reading: nothing to say
+        finally:
+            self._done(conn)
 
-        def handle_error(self, request: Any, client_address: Any) -> None:
-            pass  # a client that hung up or timed out: nothing the job should print
+    def _done(self, conn: socket.socket) -> None:
+        conn.close()
+        with self._changed:
+            del self._open[conn]
+            self._changed.notify_all()
 
-    return make_server(host, port, make_wsgi_app(registry), Server, handler_class=Handler)
+    @staticmethod
+    def _answer(
+        conn: socket.socket,
+        status: HTTPStatus,
+        body: bytes,
+        deadline: float,
+        content_type: str = "text/plain; charset=utf-8",
+    ) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return  # (a request that ran out of time gets no answer)
+        head = (
+            f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        conn.settimeout(left)  # (sendall's timeout bounds the whole of it)
+        conn.sendall(head.encode() + body)
 
 
-def start(host: str, port: int, pinned_bytes: Callable[[], Any]) -> ServeMetrics:
+def start(host: str, port: int) -> ServeMetrics:
     """The job's metrics, served on host:port; a port that cannot be bound is a usage error."""
     from ckptctl.errors import UsageError
 
-    metrics = ServeMetrics(pinned_bytes)
-    metrics.state.state("starting")
+    metrics = ServeMetrics()
     try:
         metrics.serve(host, port)
     except OSError as exc:

@@ -4,8 +4,10 @@ reach. Its client half is ckptctl.serve.control_client.
 What it trusts: a process of the job owner's uid, and nothing else. Four checks make it so:
 
 - the socket lives in a directory only its owner can enter: `$XDG_RUNTIME_DIR/ckptctl/` when
-  XDG_RUNTIME_DIR is set, else `/tmp/ckptctl-<uid>/`. Each is checked with lstat (a directory,
-  not a symlink, owned by the user, mode 0700) and refused otherwise, never "fixed";
+  XDG_RUNTIME_DIR is set, else `/tmp/ckptctl-<uid>/`, or `$CKPTCTL_SOCKET_DIR` alone when that
+  is set (the test suite sets it: it never sees a job of the user's). Each is checked with
+  lstat (a directory, not a symlink, owned by the user, mode 0700) and refused otherwise, never
+  "fixed";
 - the socket itself is 0600, whatever the umask;
 - the server reads every connection's peer credentials (SO_PEERCRED) and answers another uid
   403 without parsing a byte of its request;
@@ -44,6 +46,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ckptctl.defaults import SOCKET_DIR_ENV
 from ckptctl.errors import UsageError, print_error
 from ckptctl.unix_peers import peer_uid
 
@@ -97,6 +100,11 @@ def check_private_dir(path: str | os.PathLike[str]) -> None:
 
 def socket_dirs(tmp_root: str = "/tmp") -> list[Path]:
     """Where serve jobs of this user put their sockets, in order of preference."""
+    chosen = os.environ.get(SOCKET_DIR_ENV)
+    if chosen:  # in place of both defaults: a job or a client looks nowhere else
+        if not os.path.isabs(chosen):
+            raise UsageError(f"{SOCKET_DIR_ENV}={chosen} is not an absolute path")
+        return [Path(chosen)]
     dirs = []
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
@@ -109,7 +117,7 @@ def private_socket_dir(tmp_root: str = "/tmp") -> Path:
     """The directory a serve job puts its socket in, created 0700 if missing, always checked."""
     path = socket_dirs(tmp_root)[0]
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
+    if runtime and not os.environ.get(SOCKET_DIR_ENV):
         st = os.lstat(runtime) if os.path.lexists(runtime) else None
         if (
             st is None

@@ -37,6 +37,7 @@ from ckptctl.errors import (
 from ckptctl.job.runner import Job
 from ckptctl.observe import timeline
 from ckptctl.progress import StageFigures, StageLog
+from ckptctl.results import REFUSED, outcome
 from ckptctl.serve.commands import TICK_TIMEOUT_S, CommandChannel
 from ckptctl.serve.control import ControlServer, Handler, default_socket_path
 from ckptctl.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock
@@ -146,7 +147,10 @@ class JobStatus:
         self.commands = 0
         self.failed = 0
         self.running: dict[str, Any] | None = None
-        self.last: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None  # the last command that was not refused
+        # The last one refused before it sent anything (a typo'd path): kept apart, so that
+        # `last` still says what the last push that ran did.
+        self.last_refused: dict[str, Any] | None = None
         self.server_weights: str | None = None  # None until a push reaches the server
         # The last KEPT_WHOLE whole sets pushed, the one the server holds last: what a restore
         # or a rollback may push again (not the push log: that is `pushes`).
@@ -174,7 +178,10 @@ class JobStatus:
             self.commands += 1
             self.failed += not merged["ok"]
             self.running = None
-            self.last = merged
+            if outcome(merged) == REFUSED:
+                self.last_refused = merged
+            else:
+                self.last = merged
             self.pushes.add(merged)
             if merged["action"] == "stage":
                 return  # read ahead: the server's weights are what they were
@@ -215,6 +222,7 @@ class JobStatus:
                 "weights": self.weights,
                 "whole_pushes": self.whole_pushes,
                 "last": self.last,
+                "last_refused": self.last_refused,
                 **extra,
             }
 
@@ -516,10 +524,8 @@ class ServeLoop:
                 command["trace"], merged["ranks"], write_it=self.rank == 0
             )
         self.status.record(merged)
-        if self.metrics is not None and merged["action"] == "stage":
-            self.metrics.idle()  # (a read ahead is no push)
-        elif self.metrics is not None:
-            self.metrics.pushed(merged, stages, self.status.weights)
+        if self.metrics is not None:
+            self.metrics.ended(merged, stages, self.status.weights)
         if self.rank == 0:
             what = f"{merged['action']} {merged['seq']} ({merged['checkpoint_path']})"
             if merged["ok"]:

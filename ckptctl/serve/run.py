@@ -31,7 +31,7 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
     if opts.metrics is not None and launch.rank == 0:  # (bound before the long start-up)
         from ckptctl.observe import metrics as observe_metrics
 
-        metrics = observe_metrics.start(*opts.metrics, lambda: state.pinned_pool_bytes)
+        metrics = observe_metrics.start(*opts.metrics)
 
     def body(job: Job) -> dict[str, Any]:
         if job.coordinator is None:  # one process: a store of our own for the rendezvous

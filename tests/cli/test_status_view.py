@@ -35,3 +35,14 @@ def test_a_stage_still_reading_shows_how_far_in_its_units() -> None:
     staged = {"seq": 5, "checkpoint_path": "/d", "bytes_read": 1_500_000, "share_bytes": 3_000_000}
     lines = _lines(staged=staged, rank=0)
     assert "staged for the next push: /d (stage 5; rank 0's share 1.50 MB of 3.00 MB read)" in lines
+
+
+def test_a_push_refused_before_sending_is_shown_apart_while_it_is_the_latest() -> None:
+    last = {"ok": True, "seq": 4, "checkpoint_path": "/c", "total_bytes": 1000, "wall_s": 0.5}
+    refused = {"ok": False, "seq": 5, "checkpoint_path": "/typo", "exit_code": 3,
+               "server_weights": None, "error": "no checkpoint"}  # fmt: skip
+    lines = _lines(last=last, last_refused=refused)
+    assert any(line.startswith("last push 4: /c: ok in 0.50s") for line in lines), lines
+    assert "last push 5: /typo: refused before sending (exit 3): no checkpoint" in lines, lines
+    later = _lines(last={**last, "seq": 6}, last_refused=refused)  # a push ran since
+    assert not any("/typo" in line for line in later), later

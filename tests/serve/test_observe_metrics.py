@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import json
 import math
+import select
+import shutil
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import cpu_serve_job, run_script, wait_for_path
+from conftest import cpu_serve_job, run_script, wait_for_path, wait_until
 from fake_server import Behaviour, FakeServer, free_master_port
+from fake_worker import ZmqWorkers
 from locations import TINY
+
+from ckptctl.observe import metrics
+from ckptctl.observe.metrics import STATES
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -50,23 +58,41 @@ def _push(sock: str, *args: str) -> dict:
     return {"rc": r.returncode, **json.loads(r.stdout)}
 
 
+def _status(sock: str) -> dict:
+    from ckptctl import client
+
+    return client.status(control_socket=sock)
+
+
 @pytest.mark.slow
-def test_a_scrape_follows_the_pushes(short_tmp: Path) -> None:
+def test_a_scrape_follows_the_pushes(short_tmp: Path, tmp_path: Path) -> None:
+    """Every way a push ends, as a scrape sees it: good pushes, a rollback (a good push of its
+    own outcome, whose checkpoint is served again), a push that failed mid-transfer and was
+    restored (not a good push: no bytes, the last good push's time unchanged), and one refused
+    before sending (its own outcome, not timed, and kept apart from `last` in `status`)."""
     sock, port = str(short_tmp / "serve.sock"), free_master_port()
     url = f"http://127.0.0.1:{port}/metrics"
+    first = tmp_path / "first"
+    shutil.copytree(TINY, first)
+    workers = ZmqWorkers()
     with (
-        FakeServer(Behaviour()) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--metrics-port", str(port)) as job,
-    ):
+        FakeServer(Behaviour(on_update=workers)) as s,
+        cpu_serve_job(
+            s.endpoint, "--control-socket", sock, "--metrics-port", str(port),
+            env={"CPU_PS_TRANSFER": "zmq", "CPU_PS_BUCKETS": "4"},
+        ) as job,
+    ):  # fmt: skip
         before = _first_scrape(url)  # up before the job takes pushes (it starts for a while)
         assert wait_for_path(sock)
         assert _value(before, "ckptctl_pushes_total", outcome="ok") == 0
-        assert math.isnan(_value(before, "ckptctl_seconds_since_last_good_push"))
+        assert math.isnan(_value(before, "ckptctl_last_good_push_timestamp_seconds"))
+        assert sum(_value(before, "ckptctl_serve_state", state=st) for st in STATES) == 1
         # Bound to loopback's 127.0.0.1 only, not every address: 127.0.0.2 is loopback too.
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.2:{port}/metrics", timeout=5)
 
-        good = _push(sock, "--checkpoint-path", str(TINY), "--weight-version", "v1")
+        clock = time.time()
+        good = _push(sock, "--checkpoint-path", str(first), "--weight-version", "v1")
         assert good["rc"] == 0, good
         one = _scrape(url)
         assert _value(one, "ckptctl_pushes_total", outcome="ok") == 1
@@ -77,27 +103,62 @@ def test_a_scrape_follows_the_pushes(short_tmp: Path) -> None:
             assert _value(one, "ckptctl_push_stage_duration_seconds_count", stage=stage) == 1
         assert _value(one, "ckptctl_server_wait_seconds_count") == 1
         served = {"push": "1", "weight_version": "v1", "checkpoint_name": "push-1",
-                  "checkpoint_path": str(TINY.resolve()), "server_weights": "whole"}  # fmt: skip
+                  "checkpoint_path": str(first.resolve()), "server_weights": "whole"}  # fmt: skip
         assert _value(one, "ckptctl_served_info", **served) == 1
         assert _value(one, "ckptctl_served_push") == 1
-        assert 0 <= _value(one, "ckptctl_seconds_since_last_good_push") < 600
-        assert _value(one, "ckptctl_pinned_host_memory_bytes") > 0  # the direct pool's
-        assert _value(one, "ckptctl_serve_state", ckptctl_serve_state="idle") == 1
+        good_at = _value(one, "ckptctl_last_good_push_timestamp_seconds")
+        assert clock <= good_at <= time.time()
+        for rank in ("0", "1"):  # each rank's direct pool, though only rank 0 serves the page
+            assert _value(one, "ckptctl_pinned_host_memory_bytes", rank=rank) > 0
+        assert _value(one, "ckptctl_serve_state", state="idle") == 1
+        assert _value(one, "ckptctl_serve_state", state="busy") == 0
+
+        assert _push(sock, "--checkpoint-path", str(TINY), "--weight-version", "v2")["rc"] == 0
+        back = json.loads(run_script("rollback", "--control-socket", sock, "--json").stdout)
+        assert back["ok"] and back["restores"] == 1, back
+        rolled = _scrape(url)
+        assert _value(rolled, "ckptctl_pushes_total", outcome="ok") == 2
+        assert _value(rolled, "ckptctl_pushes_total", outcome="rolled_back") == 1
+        assert _value(rolled, "ckptctl_served_push") == 1  # push 1's checkpoint, served again
+        served["checkpoint_name"] = "push-1-rollback-3"  # (registered anew under this name)
+        assert _value(rolled, "ckptctl_served_info", **served) == 1
+        assert _value(rolled, "ckptctl_pushed_bytes_total") == 3 * good["total_bytes"]
+        good_at = _value(rolled, "ckptctl_last_good_push_timestamp_seconds")
+        assert good_at >= _value(one, "ckptctl_last_good_push_timestamp_seconds")
+
+        workers.fail_at_bucket = 2  # (once: the restore after it goes through)
+        failed = _push(sock, "--checkpoint-path", str(TINY), "--weight-version", "v3")
+        assert failed["rc"] == 1 and failed["server_weights"] == "whole", failed
+        restored = _scrape(url)
+        assert _value(restored, "ckptctl_pushes_total", outcome="restored") == 1
+        assert _value(restored, "ckptctl_pushes_total", outcome="ok") == 2
+        assert _value(restored, "ckptctl_pushed_bytes_total") == 3 * good["total_bytes"]
+        assert _value(restored, "ckptctl_push_size_bytes_count") == 3
+        assert _value(restored, "ckptctl_last_good_push_timestamp_seconds") == good_at
+        assert _value(restored, "ckptctl_served_info", **served) == 1
+        assert _value(restored, "ckptctl_push_duration_seconds_count") == 4
 
         bad = _push(sock, "--checkpoint-path", str(short_tmp / "missing"))
-        assert bad["rc"] == 3, bad
-        two = _scrape(url)
-        assert _value(two, "ckptctl_pushes_total", outcome="refused") == 1
-        assert _value(two, "ckptctl_pushes_total", outcome="ok") == 1  # unchanged
-        assert _value(two, "ckptctl_pushed_bytes_total") == good["total_bytes"]
-        assert _value(two, "ckptctl_push_duration_seconds_count") == 2
-        assert _value(two, "ckptctl_served_info", **served) == 1  # still the first push's
-        assert _value(two, "ckptctl_seconds_since_last_good_push") >= _value(
-            one, "ckptctl_seconds_since_last_good_push"
-        )
+        assert bad["rc"] == 3 and bad["server_weights"] is None, bad
+        refused = _scrape(url)
+        assert _value(refused, "ckptctl_pushes_total", outcome="refused") == 1
+        assert _value(refused, "ckptctl_pushes_total", outcome="ok") == 2  # unchanged
+        assert _value(refused, "ckptctl_pushed_bytes_total") == 3 * good["total_bytes"]
+        assert _value(refused, "ckptctl_push_duration_seconds_count") == 4  # not timed
+        assert _value(refused, "ckptctl_served_info", **served) == 1  # still push 1's
+        assert _value(refused, "ckptctl_last_good_push_timestamp_seconds") == good_at
+        # `status` keeps the push that ran as `last`, the refused one apart.
+        st = _status(sock)
+        assert st["last"]["seq"] == failed["seq"] and st["last"]["exit_code"] == 1, st["last"]
+        assert st["last_refused"]["seq"] == bad["seq"] and st["last_refused"]["exit_code"] == 3
+        assert st["commands"] == 5 and st["failed"] == 2
+        human = run_script("status", "--control-socket", sock, timeout=30).stdout
+        assert f"last push {failed['seq']}: {TINY}: failed, restored (exit 1)" in human, human
+        assert f"last push {bad['seq']}: {short_tmp / 'missing'}: refused before sending" in human
 
         assert run_script("stop", "--control-socket", sock, timeout=30).returncode == 0
         out, err = job.communicate(timeout=60)
+    workers.die()
     assert job.returncode == 0, err[-3000:]
 
 
@@ -115,7 +176,8 @@ def test_metrics_without_prometheus_client_are_refused(
 
 def test_the_metrics_name_their_outcomes_and_units() -> None:
     """What a push's answer becomes (the outcome label), and prometheus_client's own output
-    for the job's metrics: counters end in _total, sizes in _bytes, times in _seconds."""
+    for the job's metrics: counters end in _total, sizes in _bytes, times in _seconds, a time
+    that passes is a timestamp, and no label is named after its metric."""
     from prometheus_client import generate_latest
 
     from ckptctl.observe.metrics import ServeMetrics, outcome_of
@@ -126,75 +188,186 @@ def test_the_metrics_name_their_outcomes_and_units() -> None:
     assert outcome_of({"ok": False, "exit_code": 1, "server_weights": "partial"}) == "failed"
     assert outcome_of({"ok": False, "exit_code": 3}) == "refused"
     assert outcome_of({"ok": False, "exit_code": 130}) == "cancelled"
-    page = generate_latest(ServeMetrics(lambda: None).registry).decode()
+    page = generate_latest(ServeMetrics().registry).decode()
     names = {line.split()[2] for line in page.splitlines() if line.startswith("# TYPE")}
     assert names == {
         "ckptctl_pushes_total", "ckptctl_push_duration_seconds",
         "ckptctl_push_stage_duration_seconds", "ckptctl_server_wait_seconds",
         "ckptctl_pushed_bytes_total", "ckptctl_push_size_bytes", "ckptctl_served_info",
-        "ckptctl_served_push", "ckptctl_seconds_since_last_good_push",
+        "ckptctl_served_push", "ckptctl_last_good_push_timestamp_seconds",
         "ckptctl_pinned_host_memory_bytes", "ckptctl_serve_state",
     }  # fmt: skip
     assert "python_gc" not in page and "process_" not in page  # a registry of its own
-    # A rollback the server took is a good push: counted under its own outcome, from zero,
-    # and the time since the last good push starts again from it.
-    assert 'ckptctl_pushes_total{outcome="rolled_back"} 0.0' in page
-    metrics = ServeMetrics(lambda: None)
-    metrics.pushed({"ok": True, "action": "rollback", "wall_s": 0.5}, [], None)
-    page = generate_latest(metrics.registry).decode()
-    assert 'ckptctl_pushes_total{outcome="rolled_back"} 1.0' in page
-    since = next(
-        line for line in page.splitlines() if line.startswith("ckptctl_seconds_since_last_good")
-    )
-    assert not math.isnan(float(since.split()[-1]))
+    assert 'ckptctl_pushes_total{outcome="rolled_back"} 0.0' in page  # every outcome from zero
+    assert 'ckptctl_serve_state{state="starting"} 1.0' in page
+    assert 'ckptctl_serve_state{state="idle"} 0.0' in page
 
 
-def test_a_flood_of_idle_connections_costs_a_bounded_few_threads_and_passes() -> None:
-    """Whatever reaches the metrics port can open connections and send nothing: only
-    MAX_SCRAPERS of them get a thread (the rest are closed at once), those are closed after
-    SCRAPE_TIMEOUT_S of silence, and the port answers scrapes again once the flood is gone."""
-    import select
-    import socket
-    import threading
+def _samples(m: object) -> dict:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
 
-    from ckptctl.observe import metrics
+    page = generate_latest(m.registry).decode()  # type: ignore[attr-defined]
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+    }
 
-    served = metrics.start("127.0.0.1", 0, lambda: 123)
+
+def test_what_each_ending_of_a_push_changes() -> None:
+    """A rollback the server took is a good push of its own outcome, its checkpoint the one
+    served; a push restored after a failure is no good push (no bytes, the time of the last
+    good one unchanged); a push refused before sending is counted and nothing else; every
+    rank's pinned memory comes from its own result in the push's answer."""
+    from ckptctl.observe.metrics import ServeMetrics
+
+    m = ServeMetrics()
+    ranks = [{"rank": 0, "pinned_pool_bytes": 100}, {"rank": 1, "pinned_pool_bytes": 150}]
+    served = {"seq": 1, "weight_version": "v1", "checkpoint_name": "a", "checkpoint_path": "/a"}
+    m.ended({"ok": True, "seq": 1, "wall_s": 2.0, "total_bytes": 10, "ranks": ranks,
+             "server_weights": "whole"}, [], served)  # fmt: skip
+    first = _samples(m)
+    good_at = _value(first, "ckptctl_last_good_push_timestamp_seconds")
+    assert _value(first, "ckptctl_pinned_host_memory_bytes", rank="1") == 150
+    assert _value(first, "ckptctl_serve_state", state="idle") == 1
+
+    m.ended({"ok": False, "exit_code": 1, "seq": 2, "wall_s": 3.0, "total_bytes": 10,
+             "server_weights": "whole", "ranks": [{"rank": 1}]}, [], served)  # fmt: skip
+    restored = _samples(m)
+    assert _value(restored, "ckptctl_pushes_total", outcome="restored") == 1
+    assert _value(restored, "ckptctl_pushed_bytes_total") == 10
+    assert _value(restored, "ckptctl_push_size_bytes_count") == 1
+    assert _value(restored, "ckptctl_last_good_push_timestamp_seconds") == good_at
+    assert _value(restored, "ckptctl_pinned_host_memory_bytes", rank="1") == 150  # kept
+
+    m.ended({"ok": False, "exit_code": 3, "seq": 3, "wall_s": 0.01, "server_weights": None},
+            [], served)  # fmt: skip
+    refused = _samples(m)
+    assert _value(refused, "ckptctl_pushes_total", outcome="refused") == 1
+    assert _value(refused, "ckptctl_push_duration_seconds_count") == 2  # not timed
+
+    time.sleep(0.01)  # (a later wall-clock time for the rollback)
+    m.ended({"ok": True, "action": "rollback", "seq": 4, "restores": 1, "wall_s": 0.5,
+             "total_bytes": 10, "server_weights": "whole"}, [], served)  # fmt: skip
+    rolled = _samples(m)
+    assert _value(rolled, "ckptctl_pushes_total", outcome="rolled_back") == 1
+    assert _value(rolled, "ckptctl_pushes_total", outcome="ok") == 1
+    assert _value(rolled, "ckptctl_served_push") == 1
+    assert _value(rolled, "ckptctl_pushed_bytes_total") == 20
+    assert _value(rolled, "ckptctl_last_good_push_timestamp_seconds") > good_at
+
+    m.ended({"ok": True, "action": "stage", "seq": 5, "total_bytes": 10, "server_weights": None,
+             "ranks": [{"rank": 0, "pinned_pool_bytes": 200}]}, [], served)  # fmt: skip
+    staged = _samples(m)  # a read ahead: no push, but more memory pinned
+    assert _value(staged, "ckptctl_pinned_host_memory_bytes", rank="0") == 200
+    assert sum(_value(staged, "ckptctl_pushes_total", outcome=o) for o in metrics.OUTCOMES) == 4
+
+
+# -- the HTTP it speaks, to clients it does not trust -----------------------------------------
+
+
+def _slow_client(host: str, port: int, stop: threading.Event, seen: dict[str, int]) -> None:
+    """A slow-loris: it sends a request line, then a byte of a header every 0.1 s, never ending
+    its request; cut off, it connects again at once. `seen` counts its connections and cuts."""
+    while not stop.is_set():
+        try:
+            with socket.create_connection((host, port), timeout=5) as s:
+                seen["connected"] += 1
+                s.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
+                while not stop.wait(0.1):
+                    s.sendall(b"x")
+        except OSError:  # cut off (a reset, or a broken pipe as it sends)
+            seen["cut_off"] += 1
+
+
+def _server_threads() -> int:
+    return sum(t.name == metrics.CONNECTION_THREAD for t in threading.enumerate())
+
+
+def test_slow_clients_never_keep_a_scraper_out() -> None:
+    """16 slow clients (twice the connections served at once), each reconnecting the moment it
+    is cut off, beside a scraper: every scrape gets its page within Prometheus's own default
+    deadline (10 s for the whole exchange), and the server never runs more than MAX_SCRAPERS
+    connection threads."""
+    from ckptctl.bounded_http import bounded_client
+
+    served = metrics.start("127.0.0.1", 0)
     host, port = served.address
-    before = threading.active_count()
-    flood = [
-        socket.create_connection((host, port), timeout=10) for _ in range(4 * metrics.MAX_SCRAPERS)
+    stop, seen = threading.Event(), {"connected": 0, "cut_off": 0}
+    peak = [0]
+
+    def watch_threads() -> None:
+        while not stop.wait(0.01):
+            peak[0] = max(peak[0], _server_threads())
+
+    threads = [threading.Thread(target=watch_threads, daemon=True)] + [
+        threading.Thread(target=_slow_client, args=(host, port, stop, seen), daemon=True)
+        for _ in range(16)
     ]
     try:
-        # The server closes every connection past the bound unanswered: wait until it has.
-        deadline = time.monotonic() + 30
-        closed: set[int] = set()
-        while len(closed) < 3 * metrics.MAX_SCRAPERS:
-            assert time.monotonic() < deadline, (
-                f"only {len(closed)} of {len(flood)} idle connections were closed: the server "
-                "keeps a thread for each"
-            )
-            readable, _, _ = select.select(
-                [s for s in flood if s.fileno() not in closed], [], [], 0.2
-            )
-            for s in readable:
-                if s.recv(1) == b"":
-                    closed.add(s.fileno())
-        assert threading.active_count() <= before + metrics.MAX_SCRAPERS
+        for t in threads:
+            t.start()
+        wait_until(lambda: seen["connected"] >= 16, 30, "16 slow clients connected")
+        with bounded_client(f"http://{host}:{port}", timeout=10) as scraper:
+            for _ in range(5):
+                page = scraper.get("/metrics")  # (raises at the deadline)
+                assert page.status_code == 200 and "ckptctl_pushes_total" in page.text
+                assert page.headers["content-type"].startswith("text/plain")
+        assert 0 < peak[0] <= metrics.MAX_SCRAPERS, peak
+        assert seen["cut_off"] > 0  # (the slow clients were there, and were cut off for room)
     finally:
-        for s in flood:
-            s.close()
-    try:
-        deadline = time.monotonic() + 30
-        while True:  # the slots come free as the idle connections end
-            try:
-                page = httpx.get(f"http://{host}:{port}/metrics", timeout=5)
-                if page.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the metrics port did not answer after the flood"
-            time.sleep(0.1)
-        assert "ckptctl_pinned_host_memory_bytes 123.0" in page.text
-    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
         served.close()
+
+
+def _ended_by_server(s: socket.socket, timeout: float = 30) -> bytes:
+    """What the server sent before it closed the connection (fails the test past `timeout`)."""
+    s.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_a_request_has_one_deadline_and_a_bounded_head() -> None:
+    """A client that keeps sending, a byte every 0.1 s, is cut off at the request's deadline
+    (one for the whole request, not one for each read); a request head past the cap is cut
+    off at once, long before its deadline (431 where the answer arrives before the close); a
+    path other than /metrics is 404, another method 405."""
+    quick = metrics.MetricsServer("127.0.0.1", 0, lambda: b"page\n", "text/plain", deadline_s=1)
+    try:
+        with socket.create_connection(quick.address, timeout=30) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            deadline = time.monotonic() + 30
+            with pytest.raises(OSError):  # (a reset or a broken pipe once it is cut off)
+                while time.monotonic() < deadline:
+                    s.sendall(b"x")
+                    time.sleep(0.1)
+                    if select.select([s], [], [], 0)[0] and s.recv(1) == b"":
+                        raise ConnectionAbortedError
+            assert time.monotonic() < deadline, "a trickling request was never cut off"
+    finally:
+        quick.close()
+    # A deadline far beyond the test's own: only the cap can end these in time.
+    patient = metrics.MetricsServer("127.0.0.1", 0, lambda: b"page\n", "text/plain", deadline_s=600)
+    try:
+        with socket.create_connection(patient.address, timeout=30) as s:
+            s.sendall(b"GET /" + b"a" * 20_000)  # (no end of the line: it could go on for ever)
+            said = _ended_by_server(s)
+            assert said == b"" or said.startswith(b"HTTP/1.1 431 "), said
+        for request, status in (
+            (b"GET /other HTTP/1.1\r\n\r\n", b"404"),
+            (b"POST /metrics HTTP/1.1\r\n\r\n", b"405"),
+            (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", b"200"),
+        ):
+            with socket.create_connection(patient.address, timeout=30) as s:
+                s.sendall(request)
+                assert _ended_by_server(s).startswith(b"HTTP/1.1 " + status), request
+    finally:
+        patient.close()

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from conftest import raw_exchange, run_script
 
+from ckptctl.defaults import SOCKET_DIR_ENV
 from ckptctl.errors import OperationFailed, UsageError
 from ckptctl.serve import control, control_client
 from ckptctl.serve.control import ControlServer
@@ -67,9 +68,11 @@ class Calls:
 
 @pytest.fixture
 def runtime_dir(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private XDG_RUNTIME_DIR for this test (serve jobs put their sockets in it)."""
+    """A private XDG_RUNTIME_DIR for this test, where serve jobs put their sockets by default
+    (the suite's own CKPTCTL_SOCKET_DIR unset: conftest.socket_dir)."""
     xdg = short_tmp / "xdg"
     xdg.mkdir(mode=0o700)
+    monkeypatch.delenv(SOCKET_DIR_ENV)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
     yield xdg
 
@@ -110,6 +113,7 @@ def test_the_default_socket_is_0600_in_a_0700_directory_whatever_the_umask(
 def test_without_xdg_runtime_dir_a_private_directory_in_tmp(
     open_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv(SOCKET_DIR_ENV)  # (the suite's: conftest.socket_dir)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     old = os.umask(0)
     try:
@@ -125,6 +129,7 @@ def test_without_xdg_runtime_dir_a_private_directory_in_tmp(
 def test_a_socket_directory_that_is_not_private_is_refused(
     planted: str, open_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv(SOCKET_DIR_ENV)  # (the suite's: conftest.socket_dir)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     d = open_dir / f"ckptctl-{os.getuid()}"
     elsewhere = open_dir / "elsewhere"
@@ -145,6 +150,7 @@ def test_a_socket_directory_that_is_not_private_is_refused(
 def test_a_socket_directory_planted_by_another_user_is_refused(
     open_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv(SOCKET_DIR_ENV)  # (the suite's: conftest.socket_dir)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     d = open_dir / f"ckptctl-{os.getuid()}"
     made = as_nobody("import os, sys; os.mkdir(sys.argv[1], 0o700)", str(d))
@@ -154,12 +160,14 @@ def test_a_socket_directory_planted_by_another_user_is_refused(
 
 
 def test_an_xdg_runtime_dir_others_can_write_to_is_refused(
-    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+    short_tmp: Path, socket_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     xdg = short_tmp / "xdg"
     xdg.mkdir()
     os.chmod(xdg, 0o777)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert control.private_socket_dir() == socket_dir  # CKPTCTL_SOCKET_DIR: XDG's is not used
+    monkeypatch.delenv(SOCKET_DIR_ENV)
     with pytest.raises(UsageError, match="XDG_RUNTIME_DIR"):
         control.private_socket_dir()
 
@@ -379,7 +387,7 @@ def test_a_request_within_bounds_reaches_its_handler(server: tuple[str, Calls]) 
 # -- which job a client talks to ---------------------------------------------------------------------
 
 
-def test_two_jobs_get_two_sockets_and_clients_never_guess(runtime_dir: Path) -> None:
+def test_two_jobs_get_two_sockets_and_clients_never_guess(socket_dir: Path) -> None:
     a, b = "http://127.0.0.1:30000", "http://127.0.0.1:30001"
     path_a, path_b = control.default_socket_path([a]), control.default_socket_path([b])
     assert path_a != path_b
@@ -387,20 +395,19 @@ def test_two_jobs_get_two_sockets_and_clients_never_guess(runtime_dir: Path) -> 
         ControlServer(path_a, Calls([a]).handlers()).start(),
         ControlServer(path_b, Calls([b]).handlers()).start(),
     ]
-    stale = str(runtime_dir / "ckptctl" / "serve-000000000000.sock")
+    stale = str(socket_dir / "serve-000000000000.sock")
     with socket.socket(socket.AF_UNIX) as dead:
         dead.bind(stale)  # a job that died: never a candidate
-    env = {"XDG_RUNTIME_DIR": str(runtime_dir)}
     try:
-        r = run_script("status", "--json", env=env, timeout=30)
+        r = run_script("status", "--json", timeout=30)
         assert r.returncode == 2, r.stderr
         assert "2 serve jobs answer" in r.stderr and path_a in r.stderr and path_b in r.stderr
         assert json.loads(r.stdout)["ok"] is False
         assert control_client.choose_socket([b + "/"]) == path_b  # named after the endpoint
-        r = run_script("status", "--endpoint", b, "--json", env=env, timeout=30)
+        r = run_script("status", "--endpoint", b, "--json", timeout=30)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["control_socket"] == path_b
-        none = run_script("status", "--endpoint", "http://127.0.0.1:1", env=env, timeout=30)
+        none = run_script("status", "--endpoint", "http://127.0.0.1:1", timeout=30)
         assert none.returncode == 1 and "no serve job of yours answers" in none.stderr
     finally:
         for s in servers:
@@ -409,7 +416,7 @@ def test_two_jobs_get_two_sockets_and_clients_never_guess(runtime_dir: Path) -> 
         control_client.choose_socket([])
 
 
-def test_a_job_feeding_several_servers_is_found_by_any_one_of_them(runtime_dir: Path) -> None:
+def test_a_job_feeding_several_servers_is_found_by_any_one_of_them() -> None:
     servers = ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
     path = control.default_socket_path(servers)
     s = ControlServer(path, Calls(servers).handlers()).start()
@@ -420,9 +427,7 @@ def test_a_job_feeding_several_servers_is_found_by_any_one_of_them(runtime_dir: 
         s.close()
 
 
-def test_the_python_client_takes_one_endpoint_as_a_string_and_picks_its_job(
-    runtime_dir: Path,
-) -> None:
+def test_the_python_client_takes_one_endpoint_as_a_string_and_picks_its_job() -> None:
     """Two serve jobs on the node: `ckptctl.client.status(endpoint=URL)` talks to the one that
     feeds URL (a lone string is one URL, not a list of its characters), as `--endpoint` does."""
     from ckptctl import client
@@ -441,3 +446,71 @@ def test_the_python_client_takes_one_endpoint_as_a_string_and_picks_its_job(
     finally:
         for server in servers:
             server.close()
+
+
+def test_the_suite_never_sees_a_serve_job_of_the_users(
+    socket_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    short_tmp: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`make test` beside the user's own serve job: every test, and every process it starts,
+    looks for jobs in a directory of its own under pytest's (CKPTCTL_SOCKET_DIR, set by
+    conftest.socket_dir). Live jobs planted where serve jobs go by default - a
+    $XDG_RUNTIME_DIR/ckptctl/ and a /tmp/ckptctl-UID/, both moved into this test's directory,
+    never the user's - are not seen while it is set, and are once it is unset."""
+    assert control.socket_dirs() == [socket_dir]
+    assert socket_dir.is_relative_to(tmp_path_factory.getbasetemp())
+    xdg, tmp_root = short_tmp / "xdg", short_tmp / "tmp"
+    xdg.mkdir(mode=0o700)
+    tmp_root.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    calls = Calls()
+    jobs = []
+    for d in (xdg / "ckptctl", tmp_root / f"ckptctl-{os.getuid()}"):
+        d.mkdir(mode=0o700)
+        jobs.append(ControlServer(str(d / "serve-0123456789ab.sock"), calls.handlers()).start())
+    try:
+        # A process started by a test: it looked in the test's directory and nowhere else.
+        r = run_script("status", "--json", timeout=30)
+        assert r.returncode == 1, r.stderr
+        assert f"(looked in {socket_dir}):" in json.loads(r.stdout)["error"]
+        with pytest.raises(control_client.NotAnswering, match="no serve job of yours answers"):
+            control_client.choose_socket([], tmp_root=str(tmp_root))
+        assert calls.seen == []  # neither job was asked anything
+        # Without the override both are found: the test above could have failed.
+        monkeypatch.delenv(SOCKET_DIR_ENV)
+        with pytest.raises(UsageError, match="2 serve jobs answer"):
+            control_client.choose_socket([], tmp_root=str(tmp_root))
+    finally:
+        for job in jobs:
+            job.close()
+
+
+def test_a_relative_socket_dir_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SOCKET_DIR_ENV, "sockets")
+    r = run_script("status", timeout=30)
+    assert r.returncode == 2 and "CKPTCTL_SOCKET_DIR=sockets is not an absolute path" in r.stderr
+
+
+def test_ctrl_c_on_a_push_finds_its_answer_also_when_it_was_refused(short_tmp: Path) -> None:
+    """Ctrl-C on `push` cancels it and waits for its answer in `status`: a push that ended
+    refused before sending is there as `last_refused` (it does not replace `last`)."""
+    from ckptctl.cli._output import Output
+    from ckptctl.cli.serve import _cancel
+
+    refused = {"ok": False, "exit_code": 3, "seq": 2, "push_id": "mine",
+               "server_weights": None, "error": "no checkpoint at /typo"}  # fmt: skip
+    last = {"ok": True, "exit_code": 0, "seq": 1, "push_id": "before", "server_weights": "whole"}
+    handlers: dict[tuple[str, str], control.Handler] = {
+        ("POST", "/cancel"): lambda _: (200, {"ok": True, "cancel": "cancelling", "seq": 2}),
+        ("GET", "/status"): lambda _: (200, {"ok": True, "last": last, "last_refused": refused}),
+    }
+    path = str(short_tmp / "ctl.sock")
+    server = ControlServer(path, handlers).start()
+    try:
+        answer = _cancel(Output(quiet=True), path, "mine")
+    finally:
+        server.close()
+    assert answer["exit_code"] == 3 and answer["seq"] == 2, answer
+    assert answer["error"].startswith("no checkpoint at /typo")

@@ -175,32 +175,29 @@ def test_no_rank_frees_the_previous_checkpoint_before_every_rank_has_pushed(
             assert freed > last_update, f"rank {r} freed {previous} during push {name}: {order}"
 
 
-def test_the_default_socket_is_named_after_the_server(short_tmp: Path) -> None:
-    """Without --control-socket: the job's socket lives in $XDG_RUNTIME_DIR/ckptctl/, named
-    after its server; `push --endpoint URL` finds it, so does a plain `status` (the only job),
-    and `push --wait` started with the job waits for it."""
-    xdg = short_tmp / "xdg"
-    xdg.mkdir(mode=0o700)
-    env = {"XDG_RUNTIME_DIR": str(xdg)}
-    with FakeServer(Behaviour()) as s, cpu_serve_job(s.endpoint, env=env) as job:
+def test_the_default_socket_is_named_after_the_server(socket_dir: Path) -> None:
+    """Without --control-socket: the job's socket lives in the socket directory (the test's
+    own, conftest.socket_dir; $XDG_RUNTIME_DIR/ckptctl/ by default, test_serve_control.py),
+    named after its server; `push --endpoint URL` finds it, so does a plain `status` (the only
+    job), and `push --wait` started with the job waits for it."""
+    with FakeServer(Behaviour()) as s, cpu_serve_job(s.endpoint) as job:
         push = run_script(
             "push", "--endpoint", s.endpoint, "--checkpoint-path", str(TINY),
-            "--wait", "120", "--weight-version", "w1", env=env, timeout=180,
+            "--wait", "120", "--weight-version", "w1", timeout=180,
         )  # fmt: skip
         assert push.returncode == 0, push.stderr
         assert s.behaviour.weight_version == "w1"
-        st = run_script("status", "--json", env=env, timeout=30)
+        st = run_script("status", "--json", timeout=30)
         assert st.returncode == 0, st.stderr
         doc = json.loads(st.stdout)
         sock = doc["control_socket"]
-        assert Path(sock).parent == xdg / "ckptctl" and Path(sock).name.startswith("serve-")
+        assert Path(sock).parent == socket_dir and Path(sock).name.startswith("serve-")
         assert doc["targets"] == [s.endpoint.rstrip("/")]
         other = run_script(
-            "push", "--endpoint", "http://127.0.0.1:1", "--checkpoint-path", str(TINY),
-            env=env, timeout=30,
+            "push", "--endpoint", "http://127.0.0.1:1", "--checkpoint-path", str(TINY), timeout=30,
         )  # fmt: skip
         assert other.returncode == 1 and "no serve job of yours answers" in other.stderr
-        stop = run_script("stop", "--wait", "60", env=env, timeout=90)
+        stop = run_script("stop", "--wait", "60", timeout=90)
         assert stop.returncode == 0, stop.stderr
         _, err = job.communicate(timeout=60)
     assert job.returncode == 0, err[-3000:]
@@ -270,7 +267,8 @@ def test_a_push_of_other_shapes_is_refused_before_anything_is_sent(
         assert events.read_text() == seen  # nothing unregistered, nothing updated
         st = _status(sock)
         assert st["state"] == "idle" and st["registered"] == "first"
-        assert st["server_weights"] == "whole" and st["last"]["exit_code"] == 3
+        assert st["server_weights"] == "whole" and st["last_refused"]["exit_code"] == 3
+        assert st["last"]["checkpoint_name"] == "first"  # the last push that ran
         human = run_script("status", "--control-socket", sock, timeout=30).stdout
         assert "served layout: 4 tensors" in human, human
 
