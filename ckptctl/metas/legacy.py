@@ -17,6 +17,9 @@ opcodes a metas pickle never holds (bytes, buffers, persistent ids, the extensio
 are refused. What comes out is turned into plain data and checked by the same
 validator as a JSON file, so a stream that builds odd objects from admitted classes is
 refused too.
+
+`is_metas_pickle` tells such a file from any other pickle by its opcodes alone, unpickling
+nothing: ckptctl replaces a seed script's metas file with its own, never another pickle.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import io
 import pickle
 import pickletools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from ckptctl.errors import InvalidInput
@@ -51,6 +55,12 @@ _REFUSED_OPCODES = frozenset(
 )
 
 _MEMO_STORES = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
+_STRINGS = frozenset(
+    {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
+     "BINUNICODE8"}
+)  # fmt: skip
+_MEMO_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_METAS_MODULE = "checkpoint_engine.data_types"
 
 
 class RefusedGlobal(pickle.UnpicklingError):
@@ -65,7 +75,7 @@ def _admitted_globals() -> dict[tuple[str, str], Any]:
     from checkpoint_engine.data_types import MemoryBufferMetaList, MemoryBufferMetas, ParameterMeta
 
     admitted: dict[tuple[str, str], Any] = {
-        ("checkpoint_engine.data_types", cls.__name__): cls
+        (_METAS_MODULE, cls.__name__): cls
         for cls in (MemoryBufferMetaList, MemoryBufferMetas, ParameterMeta)
     }
     admitted[("torch", "Size")] = torch.Size
@@ -140,6 +150,61 @@ def _scan(data: bytes, source: str) -> None:
                     stores += 1
         except ValueError as exc:
             raise InvalidInput(f"{source}: not a readable metas pickle ({exc})") from None
+
+
+def is_metas_pickle(data: bytes) -> bool:
+    """Whether `data` is what the seed script's --save-metas-file writes (a pickle of
+    checkpoint-engine's metas, any protocol), told from its opcodes alone: nothing is
+    unpickled, nothing it names is imported or called. It opens a dict; every global it names
+    is one this module's unpickler admits, one of them checkpoint-engine's metas classes; no
+    opcode is one a metas pickle never holds; and the stream ends where `data` does. (ckptctl
+    may then replace the file with a metas file of its own.)"""
+    admitted = _admitted_globals()
+    ours = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # odd escapes in protocol-0 strings
+        try:
+            opening = (op.name for op, _, _ in pickletools.genops(data))
+            first = next((name for name in opening if name not in ("PROTO", "FRAME")), None)
+            if first != "EMPTY_DICT" and (first, next(opening, None)) != ("MARK", "DICT"):
+                return False  # (protocol 0 builds a dict with MARK, DICT)
+            for named in _globals_named(data):
+                if named not in admitted:
+                    return False
+                ours = ours or named[0] == _METAS_MODULE
+        except ValueError:
+            return False
+    return ours
+
+
+def _globals_named(data: bytes) -> Iterator[tuple[str, str] | None]:
+    """The (module, name) of each global the pickle `data` names (GLOBAL, or STACK_GLOBAL with
+    the two strings pushed before it, straight or from the memo), None for one whose names the
+    opcodes do not tell; ValueError for a stream that is not one pickle or holds a refused
+    opcode."""
+    memo: dict[int, str | None] = {}
+    pushed: list[str | None] = [None, None]  # the strings the last two opcodes pushed, if any
+    for opcode, arg, pos in pickletools.genops(data):
+        kind = opcode.name
+        if kind in _REFUSED_OPCODES:
+            raise ValueError(f"the {kind} opcode")
+        if kind == "GLOBAL":
+            module, _, name = str(arg).partition(" ")
+            yield module, name
+        elif kind == "STACK_GLOBAL":
+            first, second = pushed
+            yield (first, second) if first is not None and second is not None else None
+        if kind in _MEMO_STORES:  # (stores what the opcode before pushed; pushes nothing)
+            memo[arg if isinstance(arg, int) else len(memo)] = pushed[1]  # (MEMOIZE: the next)
+            continue
+        value = None
+        if kind in _STRINGS:
+            value = str(arg)
+        elif kind in _MEMO_GETS and isinstance(arg, int):
+            value = memo.get(arg)
+        pushed = [pushed[1], value]
+        if kind == "STOP" and pos != len(data) - 1:
+            raise ValueError("data after the end of the pickle")
 
 
 def _to_plain(obj: Any, source: str) -> Any:
