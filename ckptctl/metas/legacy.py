@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from ckptctl.checkpoint.headers import MAX_ELEMENTS
 from ckptctl.errors import InvalidInput
 
 # Opcodes no get_metas() pickle holds: raw bytes and out-of-band buffers, persistent ids, the
@@ -219,12 +220,15 @@ def _to_plain(obj: Any, source: str) -> Any:
     seen: set[int] = set()
 
     def walk(value: Any) -> Any:
+        if type(value) is int and abs(value) > MAX_ELEMENTS:  # (ranks, addresses, sizes: int64)
+            # Never printed: one of over 4300 digits cannot even be turned into text.
+            raise InvalidInput(f"{source}: an integer beyond 64 bits; not a metas pickle")
         if value is None or type(value) in (str, int, bool):
             return value
         if isinstance(value, torch.dtype):
             return str(value)
         if type(value) is torch.Size:
-            return list(value)
+            return [walk(d) for d in value]
         if isinstance(value, (BaseModel, dict, list)):
             if id(value) in seen:
                 raise InvalidInput(f"{source}: shared or cyclic objects; not a metas pickle")
@@ -235,7 +239,7 @@ def _to_plain(obj: Any, source: str) -> Any:
                 return [walk(v) for v in value]
             if any(type(k) not in (str, int) for k in value):
                 raise InvalidInput(f"{source}: a mapping with non-string keys; not a metas pickle")
-            return {k: walk(v) for k, v in value.items()}
+            return {walk(k): walk(v) for k, v in value.items()}
         raise InvalidInput(
             f"{source}: unexpected {type(value).__name__} object; not a metas pickle"
         )

@@ -238,6 +238,30 @@ def test_the_seed_scripts_pickle_is_told_from_its_opcodes_never_unpickled(
     assert not marker.exists()
 
 
+def test_a_huge_integer_is_invalid_input_never_an_internal_error(tmp_path: Path) -> None:
+    """An integer of over 4300 digits cannot be turned into text (ValueError): wherever one
+    sits in a pickle read with --allow-pickle, the CLI says so in one line, exit 3."""
+    huge = 10**5000
+    plain = {k: v.model_dump(mode="json") for k, v in small_metas().items()}
+    buffer = plain[0]["memory_buffer_metas_list"][0]
+    size_object = small_metas()
+    object.__setattr__(
+        size_object[0].memory_buffer_metas_list[0].metas[0], "shape", torch.Size([huge])
+    )
+    cases = {
+        "rank": {-huge: plain[0]},
+        "address": {0: {**plain[0], "memory_buffer_metas_list": [{**buffer, "ptr": huge}]}},
+        "torch.Size": size_object,
+    }
+    for name, obj in cases.items():
+        path = tmp_path / f"{name}.pkl"
+        path.write_bytes(pickle.dumps(obj))
+        result = invoke("inspect-metas", str(path), "--allow-pickle")
+        assert result.exit_code == 3, (name, result.output)
+        assert result.stderr.count("\n") == 1, result.stderr
+        assert "an integer beyond 64 bits" in result.stderr
+
+
 def test_cli_refuses_malicious_pickle_with_and_without_the_flag(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     path = tmp_path / "metas.pkl"
