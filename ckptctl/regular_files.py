@@ -33,16 +33,19 @@ class UnfitFile(Exception):
 
 
 class FileIdentity(NamedTuple):
-    """What tells one version of a file from another: the same inode, size and mtime."""
+    """What tells one version of a file from another: the same inode, size, mtime and ctime.
+    Whoever can write a file can rewrite it in place and set its mtime back; its ctime (the
+    inode's last change: every write, and the utime that sets the mtime back) no user sets."""
 
     device: int
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _check_kind(st: os.stat_result, what: str) -> None:

@@ -487,9 +487,9 @@ def out_of_descriptors(path: Path) -> OperationFailed:
 
 def open_planned(checkpoint: Checkpoint, file: str) -> int:
     """A read-only fd of `file`, refused (exit 3) unless it is still the file that was planned:
-    the same inode, size and mtime as when its header was read. Reading a file cut short
-    since would fail halfway (a mapped one with SIGBUS); a replaced one holds other tensors.
-    The caller closes the fd."""
+    the same inode, size, mtime and ctime as when its header was read (FileIdentity). Reading
+    a file cut short since would fail halfway (a mapped one with SIGBUS); a replaced one holds
+    other tensors. The caller closes the fd."""
     path = checkpoint.path_of(file)
     action = (
         "the file changed since the checkpoint was planned; wait for the writer to finish and rerun"

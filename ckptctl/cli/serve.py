@@ -274,7 +274,7 @@ def rollback_command(
     """Push the whole checkpoint before the last one again, with its weight version.
 
     Refused with exit 3 when the job has pushed fewer than two whole checkpoints, or when that
-    checkpoint's files changed since it was pushed (sizes, mtimes, headers).
+    checkpoint's files changed since it was pushed (sizes, mtimes and ctimes, headers).
     """
     from ckptctl import client
 
