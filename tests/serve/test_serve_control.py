@@ -432,6 +432,24 @@ def test_the_jobs_refusal_exits_as_documented(short_tmp: Path, status: int, exit
     assert doc["exit_code"] == exit_code and f"refused with {status}" in doc["error"]
 
 
+def test_the_python_clients_status_redacts_a_password_in_a_target(short_tmp: Path) -> None:
+    """The job lists the servers it feeds as given (`targets`); ckptctl.client.status() returns
+    them as `status --json` prints them, the password of a URL taken out."""
+    from ckptctl import client
+
+    path = str(short_tmp / "ctl.sock")
+    target = "http://admin:Pa55word!@127.0.0.1:30000"
+    s = ControlServer(path, Calls([target]).handlers()).start()
+    try:
+        doc = client.status(control_socket=path)
+        cli = run_script("status", "--control-socket", path, "--json", timeout=30)
+    finally:
+        s.close()
+    assert doc["targets"] == ["http://admin:***@127.0.0.1:30000"]
+    assert "Pa55word" not in json.dumps(doc) and "Pa55word" not in cli.stdout
+    assert json.loads(cli.stdout)["targets"] == doc["targets"]
+
+
 def test_a_request_within_bounds_reaches_its_handler(server: tuple[str, Calls]) -> None:
     path, calls = server
     status, doc = control_client.call(path, "POST", "/stop", {"why": "done"}, 10)
