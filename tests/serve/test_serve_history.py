@@ -120,16 +120,30 @@ def test_outcomes_use_one_word_each() -> None:
         assert outcome(result) == word, result
 
 
-def test_a_full_log_of_the_longest_entries_fits_in_one_answer() -> None:
+@pytest.mark.parametrize("char", ["é", "\U0001f600", "\x01", '"'])
+def test_a_full_log_of_the_longest_entries_fits_in_one_answer(char: str) -> None:
+    """Strings are cut by their size as the answer's JSON writes them (an emoji escapes to 12
+    bytes, a control character to 6), not by characters: 1000 entries of the longest a push
+    takes still fit in one answer of the client's cap."""
     from ckptctl.serve.control_client import MAX_RESPONSE_BYTES
 
     log = PushLog()
     for seq in range(1, log.size + 2):
-        log.add({"seq": seq, "ok": False, "exit_code": 1, "checkpoint_path": "é" * 4096,
-                 "weight_version": "é" * 1024, "error": "é" * 100_000})  # fmt: skip
+        log.add({"seq": seq, "ok": False, "exit_code": 1, "checkpoint_path": char * 4096,
+                 "weight_version": char * 1024, "error": char * 100_000})  # fmt: skip
     doc = log.snapshot()
     assert len(doc["pushes"]) == log.size and doc["pushes"][0]["seq"] == 2
-    assert len(json.dumps({"ok": True, **doc}).encode()) < MAX_RESPONSE_BYTES
+    assert len(json.dumps({"ok": True, **doc}).encode()) < MAX_RESPONSE_BYTES / 2
+    entry = doc["pushes"][0]
+    assert entry["checkpoint_path"].endswith(char + "…") and entry["error"].endswith("…")
+
+
+def test_what_fits_is_kept_whole() -> None:
+    log = PushLog()
+    path = "/ckpt/" + "a" * 4000  # a long path, but within the 4096 bytes of its cap
+    log.add({"seq": 1, "ok": True, "checkpoint_path": path, "weight_version": "v1"})
+    entry = log.snapshot()["pushes"][0]
+    assert entry["checkpoint_path"] == path and entry["weight_version"] == "v1"
 
 
 @pytest.mark.slow
