@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
@@ -103,10 +104,12 @@ USERS_FILES = {
     # JSON that names ckptctl's format but is not a metas document.
     "settings.json": b'{"format": "ckptctl-metas", "save_to": "/ckpt/metas.json"}',
     # Pickles: one only naming checkpoint-engine in a string, an optimizer's state, metas
-    # beside a tensor, a list of metas (the seed script pickles a dict).
+    # beside a tensor, bytes or another class, a list of metas (the seed script pickles a dict).
     "names.pkl": pickle.dumps({"engine": "checkpoint_engine.data_types MemoryBufferMetaList"}),
     "optimizer.pkl": pickle.dumps({"lr": [0.1], "step": 7}),
     "with-tensor.pkl": pickle.dumps({**small_metas(), 9: torch.zeros(2)}),
+    "with-bytes.pkl": pickle.dumps({**small_metas(), 9: b"the user's own bytes"}),
+    "with-a-class.pkl": pickle.dumps({**small_metas(), 9: collections.OrderedDict(lr=0.1)}),
     "list.pkl": pickle.dumps(list(small_metas().values())),
 }
 
@@ -127,11 +130,15 @@ def test_a_symlink_a_file_of_another_user_and_a_huge_file_are_never_replaced(
     link.symlink_to(mine)
     _refused_and_kept(link, "a symlink")
     assert link.is_symlink()
-    # Beyond any metas file's size (sparse: nothing is written, nor read).
+    # Beyond any metas file's size (sparse: nothing is written, nor read); and a metas file of
+    # ours, were it larger than the cap (test_the_size_cap_itself_is_256_mib checks the cap).
     huge = tmp_path / "huge.json"
     huge.write_bytes(mine.read_bytes())
     os.truncate(huge, fileformat.MAX_METAS_FILE_BYTES + 1)
     _refused_and_kept(huge, "exists and is not a metas file")
+    with monkeypatch.context() as patched:
+        patched.setattr(fileformat, "MAX_METAS_FILE_BYTES", mine.stat().st_size - 1)
+        _refused_and_kept(mine, "exists and is not a metas file")
     # A metas file of another user (root runs ckptctl; the file is someone else's): as this
     # process sees it, its owner is not the user that writes.
     monkeypatch.setattr(os, "geteuid", lambda: os.stat(mine).st_uid + 1)
