@@ -41,6 +41,7 @@ from ckptctl.errors import (
     OperationFailed,
     UsageError,
     error_for,
+    redact_doc,
 )
 from ckptctl.serve.control_client import ARGUMENTS, Names, NotAnswering
 
@@ -115,10 +116,12 @@ def request(
     flag: str | None = None,
 ) -> dict[str, Any]:
     """One request to the job on `path`; a refusal raises. `flag`: the argument that set
-    `timeout`, named when it runs out."""
+    `timeout`, named when it runs out. The answer comes as the CLI's --json prints it:
+    secrets redacted (a password in one of the job's `targets` URLs)."""
     from ckptctl.serve.control_client import call
 
     code, doc = call(path, method, route, body, timeout, flag=flag)
+    doc = redact_doc(doc)
     if code in (400, 409):  # a request that should not have been sent, or the wrong node
         raise UsageError(f"the serve job on {path} refused: {doc.get('error')}")
     if code != 200:

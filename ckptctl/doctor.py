@@ -595,12 +595,21 @@ def check_weights_checker(address: ServerAddress, engine: str, timeout: float) -
 def server_checks(addresses: Sequence[ServerAddress], timeout: float) -> list[Check]:
     """Each server's checks, one after another, all within `timeout` seconds: a server that
     does not answer uses up its part of it (an equal share of what is left), never the rest's."""
+    from ckptctl.unix_peers import UntrustedSocket
+
     checks = []
     deadline = time.monotonic() + timeout
     for i, address in enumerate(addresses):
         start = time.monotonic()
         share = max((deadline - start) / (len(addresses) - i), 0.05)
-        found = identify(address, share)
+        try:
+            found = identify(address, share)
+        except UntrustedSocket as exc:  # (a failed check of its own: the report goes on)
+            fix = "point --uds at your server's own socket, in a folder only you can write to"
+            endpoint = redact(address.endpoint)
+            found = Identity(
+                None, problem("server", str(exc), fix, endpoint=endpoint, uds=address.uds)
+            )
         checks.append(found.check)
         if found.engine is not None:
             left = max(share - (time.monotonic() - start), 0.05)

@@ -151,11 +151,18 @@ def terminal_text(text: str, *, lines: bool = False) -> str:
     )
 
 
+def log_line(text: str) -> str:
+    """`text` as one line of a log or terminal: secrets redacted, every control character
+    escaped, line breaks too (a weight version or folder name holding "\nerror: ..." would
+    otherwise add a line of its own to the log)."""
+    return terminal_text(redact(text))
+
+
 def print_error(message: str, *, label: str = "error") -> None:
     """Write the one error line to stderr, with the rank in front inside a multi-rank job
     (`label="warning"` for a warning from where no reporter is at hand)."""
     world = os.environ.get("WORLD_SIZE", "1")
     prefix = f"[rank {os.environ.get('RANK', '0')}] " if world not in ("", "1") else ""
     # A plain write, not Rich: the error must get out even if Rich itself is the problem.
-    sys.stderr.write(f"{prefix}{label}: {terminal_text(redact(message))}\n")
+    sys.stderr.write(f"{prefix}{label}: {log_line(message)}\n")
     sys.stderr.flush()

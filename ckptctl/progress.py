@@ -26,7 +26,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.table import Column
 from rich.text import Text
 
-from ckptctl.errors import redact
+from ckptctl.errors import log_line, redact
 
 
 class ByteCounter:
@@ -356,10 +356,10 @@ class RichReporter(Reporter):
 
     def log(self, message: str) -> None:
         if not self.quiet:
-            self.progress.console.print(redact(message), markup=False, highlight=False)
+            self.progress.console.print(log_line(message), markup=False, highlight=False)
 
     def warn(self, message: str) -> None:
-        self.progress.console.print(redact(f"warning: {message}"), style="yellow", markup=False)
+        self.progress.console.print(log_line(f"warning: {message}"), style="yellow", markup=False)
 
     def error(self, message: str) -> None:
         self.progress.console.print(redact(f"error: {message}"), style="red", markup=False)
@@ -375,7 +375,7 @@ class RichReporter(Reporter):
     def _finished(self, figures: StageFigures) -> None:
         self._drop(figures)
         if not self.quiet:
-            summary = redact(figures.summary())
+            summary = log_line(figures.summary())
             self.progress.console.print(Text.assemble(("✓ ", "green"), summary))
 
     def _failed(self, figures: StageFigures) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 _KINDS = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -33,16 +33,19 @@ class UnfitFile(Exception):
 
 
 class FileIdentity(NamedTuple):
-    """What tells one version of a file from another: the same inode, size and mtime."""
+    """What tells one version of a file from another: the same inode, size, mtime and ctime.
+    Whoever can write a file can rewrite it in place and set its mtime back; its ctime (the
+    inode's last change: every write, and the utime that sets the mtime back) no user sets."""
 
     device: int
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _check_kind(st: os.stat_result, what: str) -> None:
@@ -92,13 +95,12 @@ def read_regular(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
     return data
 
 
-def replaceable_target(
-    path: str | os.PathLike[str],
-    is_ours: Callable[[bytes], bool],
-    what: str,
-    flag: str,
-    head: int = 64,
-) -> str:
+# Whether an existing file is one ckptctl wrote (and so may replace): given the open file, at
+# its start, and its size.
+IsOurs = Callable[[BinaryIO, int], bool]
+
+
+def replaceable_target(path: str | os.PathLike[str], is_ours: IsOurs, what: str, flag: str) -> str:
     """`path` as an absolute path (its last part not resolved) that `what` ("a trace") may be
     written to, or a UsageError naming `flag`: its folder exists, and nothing is there that
     ckptctl may not replace (why_not_replace)."""
@@ -108,18 +110,16 @@ def replaceable_target(
     where = os.path.dirname(full)
     if not os.path.isdir(where):
         raise UsageError(f"{flag} {path}: no directory {where}")
-    problem = why_not_replace(full, is_ours, what, head)
+    problem = why_not_replace(full, is_ours, what)
     if problem:
         raise UsageError(f"{flag} {path}: {problem}; name a new file (or {what} written before)")
     return full
 
 
-def why_not_replace(
-    path: str, is_ours: Callable[[bytes], bool], what: str, head: int = 64
-) -> str | None:
+def why_not_replace(path: str, is_ours: IsOurs, what: str) -> str | None:
     """Why the file at `path` may not be replaced by `what` ("a trace") that ckptctl writes;
     None when nothing is there, or when it is a regular file of this user that is empty (from
-    mktemp, say) or whose first `head` bytes `is_ours` takes for one ckptctl wrote before.
+    mktemp, say) or that `is_ours` takes for one ckptctl wrote before (it reads what it needs).
     Anything else is the user's and stays as it is; a symlink there is refused, never
     followed."""
     try:
@@ -128,14 +128,16 @@ def why_not_replace(
         return None
     except OSError as exc:
         return "a symlink" if os.path.islink(path) else f"cannot be read ({exc.strerror})"
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return "exists and is not a regular file"
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        return "exists and is not a regular file"
+    with os.fdopen(fd, "rb") as f:
         if info.st_uid != os.geteuid():
             return "a file of another user"
-        if info.st_size and not is_ours(os.read(fd, head)):  # (an empty file holds nothing)
-            return f"exists and is not {what} ckptctl wrote"
-    finally:
-        os.close(fd)
+        try:
+            if info.st_size and not is_ours(f, info.st_size):  # (an empty file holds nothing)
+                return f"exists and is not {what} ckptctl wrote"
+        except OSError as exc:
+            return f"cannot be read ({exc.strerror or exc})"
     return None

@@ -94,6 +94,37 @@ def drop_cache(files: Iterable[Path]) -> None:
             os.close(fd)
 
 
+def rewrite_in_place_setting_the_mtime_back(path: Path, data: bytes | None = None) -> None:
+    """Write `data` (else the file with its last byte flipped) over `path` in place - same
+    inode, same size - and set its mtime back, as anyone who can write the file can. Only the
+    ctime, which the write and the utime move and no user sets, still tells. The rewrite comes
+    once a change gets another ctime than the file's: file systems stamp with a coarse clock."""
+    import time
+
+    before = path.stat()
+    probe = path.with_name(f".{path.name}.clock")
+    deadline = time.monotonic() + 30
+    while True:  # (a few ms at most: one tick of the kernel's coarse clock)
+        probe.write_bytes(b"")
+        if probe.stat().st_ctime_ns != before.st_ctime_ns:
+            break
+        assert time.monotonic() < deadline, "the ctime clock does not move"
+        time.sleep(0.001)
+    probe.unlink()
+    if data is None:
+        flipped = bytearray(path.read_bytes())
+        flipped[-1] ^= 0xFF
+        data = bytes(flipped)
+    assert len(data) == before.st_size
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns
+    )  # fmt: skip
+
+
 def write_sparse_checkpoint(
     root: Path, specs: Iterable[Spec], shard_bytes: int = 4 * GiB, index: bool = True
 ) -> Path:
@@ -336,8 +367,8 @@ MALFORMED = {
     "only .bin": (_only_bin, ["no .safetensors files", "pytorch_model.bin", "convert"]),
     "empty file": (_empty_file, ["model.safetensors", "empty"]),
     "truncated file": (_truncated_file, ["model.safetensors", "truncated (3 bytes)"]),
-    "header past end": (_header_past_end, ["model.safetensors", "header length 4096", "past"]),
-    "huge header": (_huge_header, ["model.safetensors", "exceeds"]),
+    "header past end": (_header_past_end, ["model.safetensors", "not safetensors", "10 bytes"]),
+    "huge header": (_huge_header, ["model.safetensors", "not safetensors", "over 100000000"]),
     "header not JSON": (_header_not_json, ["model.safetensors", "not valid JSON"]),
     "header not object": (_header_not_object, ["model.safetensors", "not a JSON object"]),
     "unknown dtype": (_unknown_dtype, ["model.safetensors", "'w'", "unknown dtype 'F128'"]),

@@ -222,15 +222,21 @@ def read_file_header(root: Path, file: str) -> tuple[list[TensorInfo], FileIdent
         with os.fdopen(fd, "rb") as f:
             fd = -1  # closed with f
             (header_len,) = struct.unpack("<Q", f.read(8))
+            # Never a value made of the file's bytes in the message: a shard may be a symlink
+            # to any file its reader can read (a Hugging Face cache is symlinks).
             if header_len > size - 8:
                 raise _fail(
                     path,
-                    f"header length {header_len} runs past the end of the file ({size} bytes)",
+                    f"is not safetensors: its first 8 bytes are no header length that fits in "
+                    f"its {size} bytes",
                     "the file is truncated or not safetensors: re-download or re-save it",
                 )
             if header_len > MAX_HEADER_BYTES:
                 raise _fail(
-                    path, f"header length {header_len} exceeds {MAX_HEADER_BYTES} bytes", CORRUPT
+                    path,
+                    f"is not safetensors: its first 8 bytes give a header over "
+                    f"{MAX_HEADER_BYTES} bytes, larger than any (the file is {size} bytes)",
+                    CORRUPT,
                 )
             raw = f.read(header_len)
     except OSError as exc:
@@ -252,13 +258,24 @@ def read_file_header(root: Path, file: str) -> tuple[list[TensorInfo], FileIdent
     return tensors, FileIdentity.of(st)
 
 
+def _json_of(raw: bytes) -> object:
+    """A file's JSON, or a ValueError whose words never quote the file (json's give positions
+    only; a UnicodeDecodeError's would quote a byte)."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _parse_header(
     path: Path, file: str, raw: bytes, data_start: int, data_len: int
 ) -> list[TensorInfo]:
     """The tensors of a header (`raw`), validated; sorted by offset."""
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        header = _json_of(raw)
+    except ValueError as exc:
         raise _fail(path, f"header is not valid JSON ({exc})", CORRUPT) from None
     if not isinstance(header, dict):
         raise _fail(path, "header is not a JSON object", CORRUPT)
@@ -331,8 +348,8 @@ def _read_index(root: Path, index_name: str) -> dict[str, str]:
 
 def _parse_index(index: Path, raw: bytes, action: str) -> dict[str, str]:
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        doc = _json_of(raw)
+    except ValueError as exc:
         raise _fail(index, f"is not valid JSON ({exc})", action) from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
@@ -470,9 +487,9 @@ def out_of_descriptors(path: Path) -> OperationFailed:
 
 def open_planned(checkpoint: Checkpoint, file: str) -> int:
     """A read-only fd of `file`, refused (exit 3) unless it is still the file that was planned:
-    the same inode, size and mtime as when its header was read. Reading a file cut short
-    since would fail halfway (a mapped one with SIGBUS); a replaced one holds other tensors.
-    The caller closes the fd."""
+    the same inode, size, mtime and ctime as when its header was read (FileIdentity). Reading
+    a file cut short since would fail halfway (a mapped one with SIGBUS); a replaced one holds
+    other tensors. The caller closes the fd."""
     path = checkpoint.path_of(file)
     action = (
         "the file changed since the checkpoint was planned; wait for the writer to finish and rerun"

@@ -83,7 +83,7 @@ def _map_file(checkpoint: Checkpoint, file: str, needed: int) -> mmap.mmap:
 
     A mapped file that is cut short kills the process with SIGBUS (exit 135, no message) when
     checkpoint-engine copies from past its new end: `open_planned` refuses (exit 3) a file
-    whose size, inode or mtime changed since its header was read. What no check can catch is
+    whose size, inode, mtime or ctime changed since its header was read. What no check can catch is
     a file truncated *during* the copy, after this point: keep writers away from a checkpoint
     while it loads (or use --register-mode direct, whose reads fail cleanly on a short file).
     """

@@ -12,6 +12,7 @@ from rich import box
 from ckptctl import results
 from ckptctl.cli._errors import debug_enabled
 from ckptctl.cli._output import Output
+from ckptctl.errors import terminal_text
 
 
 def run_job_with_display(
@@ -82,7 +83,7 @@ def stage_table(summary: dict[str, Any]) -> Any:
     table.add_section()
     peak = ["peak RSS", f"{rss / 1e9:.1f} GB", ""]
     table.add_row(*(peak + [f"rank {rss_rank}", ""] if several else peak))
-    return Group(Text(", ".join(_facts(summary))), table)
+    return Group(Text(terminal_text(", ".join(_facts(summary)))), table)
 
 
 def _rate(nbytes: int | None, seconds: float) -> str:
@@ -139,7 +140,7 @@ def history_table(doc: dict[str, Any]) -> Any:
         if p.get("action") not in (None, "push") and what != "rolled back":
             what += f" ({p['action']})"  # a stage, a restore, a rollback that did not go through
         secs, when = p.get("wall_s"), p.get("finished_at")
-        table.add_row(
+        cells = (
             str(p.get("seq")),
             what,
             str(p.get("weight_version") or "-"),
@@ -150,6 +151,8 @@ def history_table(doc: dict[str, Any]) -> Any:
             # None: the push never reached them, and the server kept what it held.
             p.get("server_weights") or "unchanged",
         )
+        # A line break in a version or path is shown as \n, never a row of its own.
+        table.add_row(*(terminal_text(str(cell)) for cell in cells))
     run, limit = doc.get("pushes_run") or 0, doc.get("history_limit")
     note = f"{run} command(s) run (pushes, stages, rollbacks), the last {limit} kept"
     return Group(table, Text(note)) if run else Text("no push yet")

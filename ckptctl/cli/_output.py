@@ -18,7 +18,7 @@ from rich.segment import Segment
 from rich.text import Text
 
 from ckptctl import results
-from ckptctl.errors import redact, terminal_text
+from ckptctl.errors import log_line, terminal_text
 from ckptctl.launch import LaunchInfo, launch_info
 
 
@@ -69,10 +69,12 @@ class Output:
     def log(self, message: str) -> None:
         """A progress or diagnostic line on stderr (silenced by --quiet)."""
         if not self.quiet:
-            self.err.print(f"{self._prefix()}{redact(message)}", markup=False)
+            self.err.print(f"{self._prefix()}{log_line(message)}", markup=False)
 
     def warn(self, message: str) -> None:
-        self.err.print(f"{self._prefix()}warning: {redact(message)}", style="yellow", markup=False)
+        self.err.print(
+            f"{self._prefix()}warning: {log_line(message)}", style="yellow", markup=False
+        )
 
     def result(self, doc: dict[str, Any], *, ok: bool = True) -> None:
         """The command's JSON result: exactly one document on stdout, from rank 0, in the
@@ -88,8 +90,9 @@ class Output:
     def show(self, renderable: Any, *, wrap: bool = False) -> None:
         """Human-readable results (tables, summaries) on stdout, from rank 0, not with --json.
         wrap: text wraps at the console's width (80 when stdout is not a terminal); by
-        default a long line (a path) stays whole, for whoever greps the output."""
+        default a long line (a path) stays whole, for whoever greps the output. A str is one
+        line: its line breaks are escaped with the rest (a path holding one adds no line)."""
         if self.is_primary and not self.json_mode:
             if isinstance(renderable, str):
-                renderable = redact(renderable)  # (a URL's password in `status`, say)
+                renderable = log_line(renderable)  # (a URL's password in `status`, say)
             self.out.print(renderable, soft_wrap=not wrap)

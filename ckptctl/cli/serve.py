@@ -58,7 +58,7 @@ from ckptctl.cli._options import (
 )
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_ENDPOINT, PUSH_LOG_SIZE
-from ckptctl.errors import CkptctlError, UsageError, redact
+from ckptctl.errors import CkptctlError, UsageError, log_line, redact
 from ckptctl.settings import ServerKind, Setting, SplitMode
 
 
@@ -274,7 +274,7 @@ def rollback_command(
     """Push the whole checkpoint before the last one again, with its weight version.
 
     Refused with exit 3 when the job has pushed fewer than two whole checkpoints, or when that
-    checkpoint's files changed since it was pushed (sizes, mtimes, headers).
+    checkpoint's files changed since it was pushed (sizes, mtimes and ctimes, headers).
     """
     from ckptctl import client
 
@@ -417,7 +417,7 @@ class PushProgress:
         line = describe_running(running)
         if self.out.err.is_terminal:
             width = max(self.out.err.width - 1, 20)
-            self.out.err.file.write("\r\x1b[2K" + redact(line)[:width])
+            self.out.err.file.write("\r\x1b[2K" + log_line(line)[:width])
             self.out.err.file.flush()
             self._drawn = True
             return
@@ -491,7 +491,8 @@ def status_command(
 
         out.show(history_table(doc), wrap=True)
     else:
-        out.show("\n".join(describe_status(doc, doc["control_socket"])))
+        for line in describe_status(doc, doc["control_socket"]):
+            out.show(line)  # (each a line of its own: a path's line break is shown as \n)
 
 
 def _which_job_kwargs(

@@ -40,7 +40,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptctl import __version__
 from ckptctl.checkpoint.headers import MAX_ELEMENTS, shape_fits
@@ -126,10 +126,13 @@ def write_metas_file(
     except InvalidInput as exc:
         raise ValueError(str(exc)) from None
     # (Checked when the job started, and again here: a file put there since is the user's.)
-    problem = why_not_replace(os.path.abspath(path), _is_a_metas_file, WHAT, head=METAS_HEAD)
+    problem = why_not_replace(os.path.abspath(path), _is_a_metas_file, WHAT)
     if problem:
         raise OperationFailed(f"cannot write metas file {path}: {problem}; name a new file")
     _atomic_write(Path(path), _render(doc).encode("ascii"))
+
+
+WHAT = "a metas file"
 
 
 def check_target(path: str | os.PathLike[str], flag: str) -> str:
@@ -137,19 +140,32 @@ def check_target(path: str | os.PathLike[str], flag: str) -> str:
     why not (`flag`: the option that named it). Only a new file, or a metas file written
     before, is replaced: ckptctl's own JSON, or a pickle as the seed script writes (a user who
     switches keeps their command line)."""
-    return replaceable_target(path, _is_a_metas_file, WHAT, flag, head=METAS_HEAD)
+    return replaceable_target(path, _is_a_metas_file, WHAT, flag)
 
 
-WHAT = "a metas file"
-METAS_HEAD = 256  # bytes read to tell a metas file (a pickle names its first class early)
+def _is_a_metas_file(f: BinaryIO, size: int) -> bool:
+    """Whether the file `f` (of `size` bytes) is a metas file: one that parses as ckptctl's
+    JSON format, or the seed script's pickle of checkpoint-engine's metas, told from its
+    opcodes (never unpickled). Nothing else is: a script or config that mentions
+    checkpoint_engine, another pickle (an optimizer's state), a file beyond any metas file's
+    size."""
+    if size > MAX_METAS_FILE_BYTES:
+        return False
+    data = f.read(size + 1)
+    if len(data) != size:
+        return False  # (changed while read: not ours to replace now)
+    kind = _sniff(data)
+    if kind == "pickle":
+        from ckptctl.metas.legacy import is_metas_pickle
 
-
-def _is_a_metas_file(head: bytes) -> bool:
-    """ckptctl's JSON, or the seed script's pickle of checkpoint-engine's metas (any protocol:
-    its first class is checkpoint-engine's), never any other pickle (an optimizer's state)."""
-    if head.lstrip().startswith(b"{"):
-        return f'"{FORMAT_NAME}"'.encode() in head
-    return b"checkpoint_engine" in head
+        return is_metas_pickle(data)
+    if kind != "json":
+        return False
+    try:
+        doc = _parse_json(data, Path(WHAT))  # (refused with a message nobody sees)
+    except InvalidInput:
+        return False
+    return set(doc) == _FIELDS
 
 
 def _render(doc: dict[str, Any]) -> str:

@@ -17,6 +17,9 @@ opcodes a metas pickle never holds (bytes, buffers, persistent ids, the extensio
 are refused. What comes out is turned into plain data and checked by the same
 validator as a JSON file, so a stream that builds odd objects from admitted classes is
 refused too.
+
+`is_metas_pickle` tells such a file from any other pickle by its opcodes alone, unpickling
+nothing: ckptctl replaces a seed script's metas file with its own, never another pickle.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import io
 import pickle
 import pickletools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
+from ckptctl.checkpoint.headers import MAX_ELEMENTS
 from ckptctl.errors import InvalidInput
 
 # Opcodes no get_metas() pickle holds: raw bytes and out-of-band buffers, persistent ids, the
@@ -51,6 +56,12 @@ _REFUSED_OPCODES = frozenset(
 )
 
 _MEMO_STORES = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"})
+_STRINGS = frozenset(
+    {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
+     "BINUNICODE8"}
+)  # fmt: skip
+_MEMO_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_METAS_MODULE = "checkpoint_engine.data_types"
 
 
 class RefusedGlobal(pickle.UnpicklingError):
@@ -65,7 +76,7 @@ def _admitted_globals() -> dict[tuple[str, str], Any]:
     from checkpoint_engine.data_types import MemoryBufferMetaList, MemoryBufferMetas, ParameterMeta
 
     admitted: dict[tuple[str, str], Any] = {
-        ("checkpoint_engine.data_types", cls.__name__): cls
+        (_METAS_MODULE, cls.__name__): cls
         for cls in (MemoryBufferMetaList, MemoryBufferMetas, ParameterMeta)
     }
     admitted[("torch", "Size")] = torch.Size
@@ -142,6 +153,61 @@ def _scan(data: bytes, source: str) -> None:
             raise InvalidInput(f"{source}: not a readable metas pickle ({exc})") from None
 
 
+def is_metas_pickle(data: bytes) -> bool:
+    """Whether `data` is what the seed script's --save-metas-file writes (a pickle of
+    checkpoint-engine's metas, any protocol), told from its opcodes alone: nothing is
+    unpickled, nothing it names is imported or called. It opens a dict; every global it names
+    is one this module's unpickler admits, one of them checkpoint-engine's metas classes; no
+    opcode is one a metas pickle never holds; and the stream ends where `data` does. (ckptctl
+    may then replace the file with a metas file of its own.)"""
+    admitted = _admitted_globals()
+    ours = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # odd escapes in protocol-0 strings
+        try:
+            opening = (op.name for op, _, _ in pickletools.genops(data))
+            first = next((name for name in opening if name not in ("PROTO", "FRAME")), None)
+            if first != "EMPTY_DICT" and (first, next(opening, None)) != ("MARK", "DICT"):
+                return False  # (protocol 0 builds a dict with MARK, DICT)
+            for named in _globals_named(data):
+                if named not in admitted:
+                    return False
+                ours = ours or named[0] == _METAS_MODULE
+        except ValueError:
+            return False
+    return ours
+
+
+def _globals_named(data: bytes) -> Iterator[tuple[str, str] | None]:
+    """The (module, name) of each global the pickle `data` names (GLOBAL, or STACK_GLOBAL with
+    the two strings pushed before it, straight or from the memo), None for one whose names the
+    opcodes do not tell; ValueError for a stream that is not one pickle or holds a refused
+    opcode."""
+    memo: dict[int, str | None] = {}
+    pushed: list[str | None] = [None, None]  # the strings the last two opcodes pushed, if any
+    for opcode, arg, pos in pickletools.genops(data):
+        kind = opcode.name
+        if kind in _REFUSED_OPCODES:
+            raise ValueError(f"the {kind} opcode")
+        if kind == "GLOBAL":
+            module, _, name = str(arg).partition(" ")
+            yield module, name
+        elif kind == "STACK_GLOBAL":
+            first, second = pushed
+            yield (first, second) if first is not None and second is not None else None
+        if kind in _MEMO_STORES:  # (stores what the opcode before pushed; pushes nothing)
+            memo[arg if isinstance(arg, int) else len(memo)] = pushed[1]  # (MEMOIZE: the next)
+            continue
+        value = None
+        if kind in _STRINGS:
+            value = str(arg)
+        elif kind in _MEMO_GETS and isinstance(arg, int):
+            value = memo.get(arg)
+        pushed = [pushed[1], value]
+        if kind == "STOP" and pos != len(data) - 1:
+            raise ValueError("data after the end of the pickle")
+
+
 def _to_plain(obj: Any, source: str) -> Any:
     """Models → their field dicts, dtypes → "torch.x" strings, sizes → lists: JSON-able data.
 
@@ -154,12 +220,15 @@ def _to_plain(obj: Any, source: str) -> Any:
     seen: set[int] = set()
 
     def walk(value: Any) -> Any:
+        if type(value) is int and abs(value) > MAX_ELEMENTS:  # (ranks, addresses, sizes: int64)
+            # Never printed: one of over 4300 digits cannot even be turned into text.
+            raise InvalidInput(f"{source}: an integer beyond 64 bits; not a metas pickle")
         if value is None or type(value) in (str, int, bool):
             return value
         if isinstance(value, torch.dtype):
             return str(value)
         if type(value) is torch.Size:
-            return list(value)
+            return [walk(d) for d in value]
         if isinstance(value, (BaseModel, dict, list)):
             if id(value) in seen:
                 raise InvalidInput(f"{source}: shared or cyclic objects; not a metas pickle")
@@ -170,7 +239,7 @@ def _to_plain(obj: Any, source: str) -> Any:
                 return [walk(v) for v in value]
             if any(type(k) not in (str, int) for k in value):
                 raise InvalidInput(f"{source}: a mapping with non-string keys; not a metas pickle")
-            return {k: walk(v) for k, v in value.items()}
+            return {walk(k): walk(v) for k, v in value.items()}
         raise InvalidInput(
             f"{source}: unexpected {type(value).__name__} object; not a metas pickle"
         )

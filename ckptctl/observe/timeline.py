@@ -23,8 +23,9 @@ whatever its outcome (its result comes back from every rank anyway).
 
 FILE is written safely (`check_path`, `write`): into a new temporary file beside it (O_EXCL,
 mode 0600), then renamed over it, so that a symlink planted at FILE is replaced, never
-followed. FILE may exist only as a trace written before (a regular file of this user that
-starts with {"traceEvents"); any other file, a symlink or a directory there is refused.
+followed. FILE may exist only as a trace ckptctl wrote before: a regular file of this user that
+starts with ckptctl's mark (MARK: the trace's `otherData`, which viewers ignore, comes first);
+any other file (another tool's trace), a symlink or a directory there is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckptctl.errors import UsageError
 
@@ -52,7 +53,8 @@ TRACKS = {
     WORKER: "exchange with the server's worker",
     REQUEST: "request to the server",
 }
-MAGIC = b'{"traceEvents"'
+# How every trace ckptctl writes starts (`document`), and how one it may replace is told.
+MARK = b'{"otherData":{"producer":"ckptctl",'
 
 
 @dataclass
@@ -153,10 +155,10 @@ def document(events: list[dict[str, Any]]) -> dict[str, Any]:
     first = min((e["ts"] for e in events if "ts" in e), default=0)
     shifted = [{**e, "ts": e["ts"] - first} if "ts" in e else e for e in events]
     started = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(first / 1e6))
-    return {
+    return {  # (otherData first: its producer is the file's MARK)
+        "otherData": {"producer": "ckptctl", "started_at": f"{started}.{first % 10**6:06d}Z"},
         "traceEvents": shifted,
         "displayTimeUnit": "ms",
-        "otherData": {"producer": "ckptctl", "started_at": f"{started}.{first % 10**6:06d}Z"},
     }
 
 
@@ -169,8 +171,8 @@ def check_path(path: str | os.PathLike[str], what: str = "--trace") -> str:
     return replaceable_target(path, _is_a_trace, "a trace", what)
 
 
-def _is_a_trace(head: bytes) -> bool:
-    return head.startswith(MAGIC)
+def _is_a_trace(f: BinaryIO, _size: int) -> bool:
+    return f.read(len(MARK)) == MARK
 
 
 def _not_a_trace(path: str) -> str | None:

@@ -383,8 +383,8 @@ def take_staged(
     share: RankPlan,
     mode: RegisterMode,
 ) -> Staged | None:
-    """The stage for this command, if every rank has one of the same files, unchanged
-    since they were staged (the same tensors, inodes, sizes and mtimes), of its same share,
+    """The stage for this command, if every rank has one of the same files, unchanged since
+    they were staged (the same tensors, inodes, sizes, mtimes and ctimes), of its same share,
     and read without an error; else it is discarded: a command that reads a checkpoint ends
     the stage either way. The ranks agree through the store: a rank that sent staged bytes
     while another read files changed since would push a mix of two checkpoints. Every push
@@ -415,8 +415,8 @@ def take_staged(
 
 def _check_unchanged(state: ServeState, command: dict[str, Any], checkpoint: Any) -> None:
     """A restore or rollback pushes the checkpoint of push `command["restores"]` again only if
-    its files are the ones that push read (exit 3 otherwise): same files, same inodes, sizes
-    and mtimes, same headers."""
+    its files are the ones that push read (exit 3 otherwise): same files, same inodes, sizes,
+    mtimes and ctimes, same headers."""
     from ckptctl.checkpoint.headers import changed_since
 
     seq = command["restores"]

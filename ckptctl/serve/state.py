@@ -9,6 +9,7 @@ ServeState is written by the push that runs (push.py, on the loop's thread) and 
 from __future__ import annotations
 
 import collections
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -132,15 +133,15 @@ class PushLog:
         entry = {
             "seq": result.get("seq"),
             "action": result.get("action") or "push",
-            "checkpoint_path": _clip(result.get("checkpoint_path"), 1024),
-            "weight_version": _clip(result.get("weight_version"), 256),
+            "checkpoint_path": _clip(result.get("checkpoint_path"), 4096),
+            "weight_version": _clip(result.get("weight_version"), 1024),
             "outcome": outcome(result),
             "exit_code": result.get("exit_code"),
             "wall_s": result.get("wall_s"),
             "total_bytes": result.get("total_bytes"),
             "finished_at": result.get("finished_at"),
             "server_weights": result.get("server_weights"),
-            "error": _clip(result.get("error"), 500),
+            "error": _clip(result.get("error"), 2000),
         }
         with self._lock:
             self._entries.append(entry)
@@ -154,9 +155,24 @@ class PushLog:
 
 
 def _clip(text: Any, most: int) -> str | None:
-    """At most `most` characters of `text` (None stays None): a full log, every string at its
-    longest and escaped, still fits in one control-socket answer."""
+    """`text` cut to at most `most` bytes as the control socket's JSON writes it (ASCII: a
+    character takes 1 to 12 bytes there, an emoji 12), "…" ending one that was cut; None stays
+    None. A full log, every string at its longest, still fits in one answer."""
     if text is None:
         return None
     text = str(text)
-    return text if len(text) <= most else text[: most - 1] + "…"
+    if len(text) <= most and len(_escaped(text)) <= most:
+        return text
+    room = most - len(_escaped("…"))
+    low, high = 0, min(len(text), room)  # the longest start that fits (a character: 1+ bytes)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(_escaped(text[:mid])) <= room:
+            low = mid
+        else:
+            high = mid - 1
+    return text[:low] + "…"
+
+
+def _escaped(text: str) -> str:
+    return json.dumps(text)[1:-1]

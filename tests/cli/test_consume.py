@@ -13,7 +13,7 @@ import pytest
 from cpu_jobs import update_consuming
 from locations import TINY
 
-from ckptctl.errors import InvalidInput
+from ckptctl.errors import InvalidInput, UsageError
 
 
 @pytest.fixture
@@ -34,6 +34,18 @@ def shm_copy(shm_dir: Path) -> Path:
 def test_outside_dev_shm_is_refused() -> None:
     r = update_consuming(TINY)
     assert r.exit_code == 2 and "under /dev/shm only" in r.stderr
+
+
+def test_a_folder_beside_dev_shm_whose_name_starts_the_same_is_outside_it() -> None:
+    """/dev/shmX is not under /dev/shm: both checks compare whole path parts (nothing is
+    created there: the checks resolve the path and compare)."""
+    from ckptctl.checkpoint.consume import check_consume, check_in_shm
+
+    check_consume("/dev/shm/ckpt", "files")  # (under it: taken)
+    with pytest.raises(UsageError, match="under /dev/shm only"):
+        check_consume("/dev/shmX/ckpt", "files")
+    with pytest.raises(InvalidInput, match="really lives at /dev/shmX/ckpt/a.safetensors, outside"):
+        check_in_shm("/dev/shmX/ckpt/a.safetensors")
 
 
 def test_tensor_split_is_refused(shm_copy: Path) -> None:

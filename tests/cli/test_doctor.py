@@ -262,6 +262,26 @@ def test_a_server_that_never_answers_is_a_failed_check(capsys: pytest.CaptureFix
     assert server["status"] == "fail" and "no answer within" in server["detail"]
 
 
+def test_a_server_socket_of_another_user_is_a_failed_check_and_the_report_goes_on(
+    capsys: pytest.CaptureFixture[str], short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--uds naming a socket whose owner is neither this user nor root (here: this user's
+    uid is taken as no trusted one): one failed check with its fix, beside every other check,
+    never the whole report ended in one error line; nothing is sent to it."""
+    import ckptctl.bounded_http
+
+    monkeypatch.setattr(ckptctl.bounded_http, "server_uids", lambda: frozenset({os.getuid() + 1}))
+    with FakeServer(Behaviour(profile="sglang-0.5.14"), uds=str(short_tmp / "sglang.sock")) as s:
+        code, doc = _doctor_json(capsys, "--uds", s.uds)
+        assert s.behaviour.requests == []
+    assert code == 1
+    assert [c["name"] for c in doc["checks"]] == [*MACHINE, "server"]
+    server = _by_name(doc)["server"][0]
+    assert server["status"] == "fail" and server["uds"] == s.uds
+    assert f"belongs to uid {os.getuid()}, not to uid [{os.getuid() + 1}]" in server["detail"]
+    assert "--uds" in server["fix"]
+
+
 UNPAIRED = ["--uds", "/a", "--uds", "/b", *("--endpoint", "http://a") * 3]
 
 

@@ -87,6 +87,7 @@ def test_update_against_a_foreign_server_stops_before_the_push(http_server: str)
 HOSTILE = (
     "<!DOCTYPE html><html><head><title>Oops</title><style>p{color:red}</style>"
     "<script>alert('x')</script></head><body><h1>Bad \x1b[31mthings\x1b[0m</h1>\n<p>line\r\n"
+    "bare\x07controls\x00of\x9bC0 and C1\x8d "
     "two &amp; more</p>" + "<p>padding</p>" * 2000 + "</body></html>"
 )
 
@@ -102,7 +103,7 @@ def test_a_servers_error_text_is_one_bounded_line(engine: str) -> None:
         push_update(ServerAddress(s.endpoint), engine, {"a": "b"}, weight_version=None, timeout=10)
     message = str(refused.value)
     assert "Bad things" in message and "two & more" in message
-    for bad in ("<", "\x1b", "\n", "\r", "alert(", "color:red"):
+    for bad in ("<", "\x1b", "\n", "\r", "\x07", "\x00", "\x9b", "\x8d", "alert(", "color:red"):
         assert bad not in message
     assert len(message) < MESSAGE_CHARS + 100
 

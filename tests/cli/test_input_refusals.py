@@ -22,7 +22,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from ckpt_factory import mixed_tensors, write_raw, write_real_checkpoint
+from ckpt_factory import (
+    mixed_tensors,
+    rewrite_in_place_setting_the_mtime_back,
+    write_raw,
+    write_real_checkpoint,
+)
 from conftest import run_script
 from locations import TINY
 
@@ -98,6 +103,56 @@ def test_an_index_at_the_cap_is_still_read(tiny: Path) -> None:
     assert r.returncode == 0, r.stderr
 
 
+# -- files that are not what they should be: no error quotes them ----------------------------
+
+SECRET = b"zq7x:*:20000:0:99999:7:::\nw8vk:*:20000:0:99999:7:::\n"  # (as /etc/shadow)
+
+
+def _quotes_nothing_of(line: str, secret: bytes) -> None:
+    """The error line holds no value made of the file's bytes: no part of the text, no number
+    its first 8 bytes make (as a length, little-endian), no byte of it."""
+    for value in (
+        secret[:4].decode(errors="replace"),
+        str(int.from_bytes(secret[:8], "little")),
+        str(int.from_bytes(secret[:8], "big")),
+        f"{secret[0]:#x}",
+        f"{secret[0]:#04x}",
+    ):
+        assert value not in line, (value, line)
+
+
+def test_a_shard_linked_to_a_file_that_is_not_safetensors_is_named_never_quoted(
+    tmp_path: Path,
+) -> None:
+    """A shard may be a symlink to any file its reader can read (a Hugging Face cache is
+    symlinks): the error says the file is not safetensors, and its size, never its bytes."""
+    secret = tmp_path / "shadow"
+    secret.write_bytes(SECRET)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "model.safetensors").symlink_to(secret)
+    line = _one_error_line(_dry_run(root), "model.safetensors", "is not safetensors")
+    assert f"{len(SECRET)} bytes" in line
+    _quotes_nothing_of(line, SECRET)
+    # A file large enough for the length its first bytes make (sparse): still not quoted.
+    length = (150_000_000).to_bytes(8, "little")
+    secret.write_bytes(length + SECRET)
+    os.truncate(secret, 200_000_000)
+    line = _one_error_line(_dry_run(root), "model.safetensors", "is not safetensors")
+    assert "150000000" not in line and "200000000 bytes" in line
+    # A header length that fits, and a header that is no UTF-8 text: no byte of it shown.
+    binary = b"\xff\xfe" + SECRET
+    secret.write_bytes(len(binary).to_bytes(8, "little") + binary)
+    line = _one_error_line(_dry_run(root), "model.safetensors", "not valid JSON", "not UTF-8")
+    _quotes_nothing_of(line, binary)
+
+
+def test_an_index_that_is_not_text_is_named_never_quoted(tiny: Path) -> None:
+    (tiny / INDEX).write_bytes(b"\xff\xfe" + SECRET)
+    line = _one_error_line(_dry_run(tiny), INDEX, "not valid JSON", "not UTF-8")
+    _quotes_nothing_of(line, b"\xff\xfe" + SECRET)
+
+
 # -- metas files ----------------------------------------------------------------------------
 
 
@@ -169,8 +224,18 @@ def _truncate(path: Path) -> None:
     os.truncate(path, path.stat().st_size // 2)
 
 
-CHANGES = {"replaced": _replace_with_same_size, "rewritten": _rewrite_in_place, "cut": _truncate}
-SAYS = {"replaced": "was replaced", "rewritten": "was modified", "cut": "bytes, but was"}
+CHANGES = {
+    "replaced": _replace_with_same_size,
+    "rewritten": _rewrite_in_place,
+    "rewritten, mtime set back": rewrite_in_place_setting_the_mtime_back,  # (the ctime tells)
+    "cut": _truncate,
+}
+SAYS = {
+    "replaced": "was replaced",
+    "rewritten": "was modified",
+    "rewritten, mtime set back": "was modified",
+    "cut": "bytes, but was",
+}
 
 
 @pytest.mark.parametrize("change", sorted(CHANGES))

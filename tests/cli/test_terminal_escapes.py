@@ -56,6 +56,40 @@ def test_rich_output_keeps_its_own_styles_and_escapes_the_names() -> None:
     assert shown.count(SHOWN) == 3
 
 
+def test_a_pushs_progress_on_a_terminal_is_one_escaped_line() -> None:
+    """`push` redraws the job's words for the push under way (its label names the checkpoint)
+    in place on the terminal: escaped, and one line."""
+    from ckptctl.cli._output import Output
+    from ckptctl.cli.serve import PushProgress
+
+    buffer = io.StringIO()
+    out = Output()
+    out.err = TerminalConsole(file=buffer, force_terminal=True, width=200)
+    running = {"seq": 3, "label": f"reading /ckpt/{HOSTILE}\nerror: forged", "detail": HOSTILE}
+    PushProgress(out).show(running)
+    shown = buffer.getvalue()
+    assert shown.startswith("\r\x1b[2K") and "\n" not in shown  # (its own redraw only)
+    assert "\x1b]" not in shown and "\x1b[2J" not in shown and "\u202e" not in shown
+    assert shown.count(SHOWN) == 2 and f"{SHOWN}\\nerror: forged" in shown
+
+
+def test_the_live_views_log_lines_are_one_line_each() -> None:
+    """On rank 0's terminal the job's lines go through the live view: a path or version
+    holding a line break adds no line (an "error: ..." of its own) there either."""
+    from ckptctl.progress import RichReporter
+
+    buffer = io.StringIO()
+    reporter = RichReporter(TerminalConsole(file=buffer, force_terminal=True, width=200))
+    try:
+        reporter.log(f"push 1 (/ckpt/{HOSTILE}\nerror: forged): done in 0.05s")
+        reporter.warn("verify: weight version 'v1\nerror: forged'")
+    finally:
+        reporter.close()
+    shown = buffer.getvalue()
+    assert "\nerror: forged" not in shown and shown.count("\\nerror: forged") == 2
+    assert "\x1b]" not in shown and "\u202e" not in shown
+
+
 @pytest.fixture
 def hostile_metas(tmp_path: Path) -> Path:
     path = tmp_path / "m.json"
@@ -101,9 +135,12 @@ def test_the_dry_run_shows_a_hostile_shard_escaped(tmp_path: Path) -> None:
 def test_a_status_like_text_keeps_its_lines_and_escapes_the_rest(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """What `status` shows (Output.show of several lines): its own line breaks stay."""
+    """What `status` shows (Output.show of each of its lines): its own lines stay; a line
+    break inside one (a folder named "x\\nerror: ...") is escaped with the rest."""
     from ckptctl.cli._output import Output
 
-    Output().show(f"serving: my-ckpt\nlast push: /ckpt/{HOSTILE}.safetensors failed")
-    out = capsys.readouterr().out
-    assert out == f"serving: my-ckpt\nlast push: /ckpt/{SHOWN}.safetensors failed\n"
+    out = Output()
+    for line in ("serving: my-ckpt", f"last push: /ckpt/{HOSTILE}\nerror: forged failed"):
+        out.show(line)
+    shown = capsys.readouterr().out
+    assert shown == f"serving: my-ckpt\nlast push: /ckpt/{SHOWN}\\nerror: forged failed\n"

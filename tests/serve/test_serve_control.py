@@ -266,6 +266,39 @@ def test_the_server_refuses_another_uid_even_through_an_open_socket(open_dir: Pa
         server.close()
 
 
+def test_the_server_refuses_another_uid_unprivileged(
+    server: tuple[str, Calls], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same peer check without root: the running job's accept loop compares each real
+    connection's SO_PEERCRED uid with os.getuid(), which here says the job runs as another
+    uid; this process's connection is answered 403, and its request never reaches a handler."""
+    path, calls = server
+    job_uid = os.getuid() + 1
+    monkeypatch.setattr(os, "getuid", lambda: job_uid)
+    answer = raw_exchange(path, b"POST /stop HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 403 "), answer[:200]
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert error == f"this serve job takes commands from uid {job_uid} only, not {job_uid - 1}"
+    assert calls.seen == []  # the stop never reached the job
+    monkeypatch.undo()
+    assert control_client.call(path, "GET", "/status", None, 10)[0] == 200  # its owner still can
+
+
+def test_a_client_refuses_a_job_run_by_another_uid_unprivileged(
+    server: tuple[str, Calls], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's own peer check, past the file-owner check (the socket file is ours): the
+    process listening is taken to run as another uid, and nothing is sent to it."""
+    from ckptctl.unix_peers import peer_uid
+
+    path, calls = server
+    monkeypatch.setattr(control_client, "peer_uid", lambda conn: peer_uid(conn) + 1)
+    with pytest.raises(OperationFailed, match=f"runs as uid {os.getuid() + 1}, not as you"):
+        control_client.call(path, "POST", "/stop", None, 10)
+    assert not control_client.answers(path)
+    assert calls.seen == []
+
+
 NOBODY_SQUATTER = """
 import socket, sys, time
 s = socket.socket(socket.AF_UNIX)
@@ -375,6 +408,46 @@ def test_a_client_that_trickles_its_request_is_cut_off(server: tuple[str, Calls]
                 break
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert calls.seen == []
+
+
+@pytest.mark.parametrize(("status", "exit_code"), [(400, 2), (409, 2), (403, 1), (500, 1)])
+def test_the_jobs_refusal_exits_as_documented(short_tmp: Path, status: int, exit_code: int) -> None:
+    """A push the job refuses as malformed (400) or as sent to the wrong node (409) is a usage
+    error, exit 2; any other refusal a failure, exit 1; the --json document says so too."""
+
+    def refuse(_doc: Any) -> tuple[int, dict[str, Any]]:
+        return status, {"ok": False, "error": f"refused with {status}"}
+
+    path = str(short_tmp / "ctl.sock")
+    s = ControlServer(path, {("POST", "/push"): refuse}).start()
+    try:
+        r = run_script(
+            "push", "--control-socket", path, "--checkpoint-path", str(short_tmp), "--json",
+            timeout=30,
+        )  # fmt: skip
+    finally:
+        s.close()
+    assert r.returncode == exit_code, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["exit_code"] == exit_code and f"refused with {status}" in doc["error"]
+
+
+def test_the_python_clients_status_redacts_a_password_in_a_target(short_tmp: Path) -> None:
+    """The job lists the servers it feeds as given (`targets`); ckptctl.client.status() returns
+    them as `status --json` prints them, the password of a URL taken out."""
+    from ckptctl import client
+
+    path = str(short_tmp / "ctl.sock")
+    target = "http://admin:Pa55word!@127.0.0.1:30000"
+    s = ControlServer(path, Calls([target]).handlers()).start()
+    try:
+        doc = client.status(control_socket=path)
+        cli = run_script("status", "--control-socket", path, "--json", timeout=30)
+    finally:
+        s.close()
+    assert doc["targets"] == ["http://admin:***@127.0.0.1:30000"]
+    assert "Pa55word" not in json.dumps(doc) and "Pa55word" not in cli.stdout
+    assert json.loads(cli.stdout)["targets"] == doc["targets"]
 
 
 def test_a_request_within_bounds_reaches_its_handler(server: tuple[str, Calls]) -> None:

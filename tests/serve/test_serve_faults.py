@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from ckpt_factory import rewrite_in_place_setting_the_mtime_back
 from conftest import ckptctl_script, cpu_serve_job, run_script, wait_for_path, wait_until
 from fake_server import Behaviour, FakeServer
 from fake_worker import ZmqWorkers
@@ -330,10 +331,11 @@ def test_rollback_pushes_the_previous_whole_checkpoint_unless_it_changed(
         assert site.behaviour.weight_version == "v1"
         assert status(sock)["weights"]["seq"] == 1
 
-        # Pushed again, then changed on disk: a rollback to it is refused before anything moves.
+        # Pushed again, then changed on disk: a rollback to it is refused before anything moves,
+        # also when the change kept the file's inode, size and mtime (only its ctime tells).
         assert push(sock, "--weight-version", "v3")[0] == 0
         shard = next(first.glob("*.safetensors"))
-        os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+        rewrite_in_place_setting_the_mtime_back(shard)
         updates = site.workers.updates
         changed = run_script("rollback", "--control-socket", sock, "--json", timeout=120)
         assert changed.returncode == 3, changed.stderr

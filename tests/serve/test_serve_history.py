@@ -96,6 +96,49 @@ def test_history_lists_each_push_with_its_outcome(short_tmp: Path, tmp_path: Pat
     assert job.returncode == 0, err[-3000:]
 
 
+@pytest.mark.slow
+def test_a_line_break_in_a_folder_name_or_a_version_adds_no_line(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    """A checkpoint folder and a weight version holding "\\nerror: ..." stay one line wherever a
+    person reads them - the push's result, the job's log, `status`, `status --history` - shown
+    as \\n; they forge no error line there. --json keeps them exact."""
+    import shutil
+
+    folder = Path(shutil.copytree(TINY, tmp_path / "ck\nerror: forged by the path"))
+    version = "v1\nerror: forged by the version"
+    sock = str(short_tmp / "serve.sock")
+    with (
+        FakeServer(Behaviour()) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
+    ):
+        assert wait_for_path(sock)
+        pushed = run_script(
+            "push", "--control-socket", sock, "--checkpoint-path", str(folder),
+            "--weight-version", version, timeout=120,
+        )  # fmt: skip
+        assert pushed.returncode == 0, pushed.stderr
+        wide = {"COLUMNS": "200"}
+        shown = [
+            run_script("status", "--control-socket", sock, timeout=30, env=wide).stdout,
+            run_script(
+                "status", "--control-socket", sock, "--history", timeout=30, env=wide
+            ).stdout,
+        ]
+        exact = run_script("status", "--control-socket", sock, "--history", "--json", timeout=30)
+        assert run_script("stop", "--control-socket", sock, timeout=30).returncode == 0
+        _, log = job.communicate(timeout=60)
+    assert job.returncode == 0, log[-3000:]
+    for text in (pushed.stdout, pushed.stderr, *shown, log):
+        forged = [line for line in text.splitlines() if line.lstrip().startswith("error:")]
+        assert forged == [], text
+    assert "ck\\nerror: forged by the path" in pushed.stdout
+    assert "ck\\nerror: forged by the path" in log and "v1\\nerror: forged by the version" in log
+    assert "v1\\nerror: forged by the version" in shown[0] and "v1\\nerror: forged" in shown[1]
+    (entry,) = json.loads(exact.stdout)["pushes"]
+    assert entry["weight_version"] == version and entry["checkpoint_path"] == str(folder)
+
+
 def test_the_push_log_keeps_the_last_pushes_and_counts_them_all() -> None:
     log = PushLog(size=3)
     for seq in range(1, 6):
@@ -120,16 +163,30 @@ def test_outcomes_use_one_word_each() -> None:
         assert outcome(result) == word, result
 
 
-def test_a_full_log_of_the_longest_entries_fits_in_one_answer() -> None:
+@pytest.mark.parametrize("char", ["é", "\U0001f600", "\x01", '"'])
+def test_a_full_log_of_the_longest_entries_fits_in_one_answer(char: str) -> None:
+    """Strings are cut by their size as the answer's JSON writes them (an emoji escapes to 12
+    bytes, a control character to 6), not by characters: 1000 entries of the longest a push
+    takes still fit in one answer of the client's cap."""
     from ckptctl.serve.control_client import MAX_RESPONSE_BYTES
 
     log = PushLog()
     for seq in range(1, log.size + 2):
-        log.add({"seq": seq, "ok": False, "exit_code": 1, "checkpoint_path": "é" * 4096,
-                 "weight_version": "é" * 1024, "error": "é" * 100_000})  # fmt: skip
+        log.add({"seq": seq, "ok": False, "exit_code": 1, "checkpoint_path": char * 4096,
+                 "weight_version": char * 1024, "error": char * 100_000})  # fmt: skip
     doc = log.snapshot()
     assert len(doc["pushes"]) == log.size and doc["pushes"][0]["seq"] == 2
-    assert len(json.dumps({"ok": True, **doc}).encode()) < MAX_RESPONSE_BYTES
+    assert len(json.dumps({"ok": True, **doc}).encode()) < MAX_RESPONSE_BYTES / 2
+    entry = doc["pushes"][0]
+    assert entry["checkpoint_path"].endswith(char + "…") and entry["error"].endswith("…")
+
+
+def test_what_fits_is_kept_whole() -> None:
+    log = PushLog()
+    path = "/ckpt/" + "a" * 4000  # a long path, but within the 4096 bytes of its cap
+    log.add({"seq": 1, "ok": True, "checkpoint_path": path, "weight_version": "v1"})
+    entry = log.snapshot()["pushes"][0]
+    assert entry["checkpoint_path"] == path and entry["weight_version"] == "v1"
 
 
 @pytest.mark.slow

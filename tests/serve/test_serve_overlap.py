@@ -75,20 +75,29 @@ class Job:
         self.workers, self.sock, self.flags = workers, sock, flags
         self.pushing: Path | None = None  # what the server's weights checker expects next
 
-    def hold(self, root: Path, shard: str, *, until: str = "loaded", cut: bool = False) -> None:
-        """The next read of `shard` waits for the server's flag `until` of the next push."""
+    def hold(
+        self,
+        root: Path,
+        shard: str,
+        *,
+        until: str = "loaded",
+        cut: bool = False,
+        fail: bool = False,
+    ) -> None:
+        """The next read of `shard` waits for the server's flag `until` of the next push (then,
+        with `cut`, cuts the file short; with `fail`, fails as an unreadable file's does)."""
         for flag in ("loaded", "connected", "holds"):
             (self.flags / flag).unlink(missing_ok=True)
         self.workers.flags = self.flags
         (self.flags / f"hold-{shard}").write_text(until)
-        if cut:
-            (self.flags / f"cut-{shard}").touch()
+        for wanted, flag in ((cut, "cut"), (fail, "fail")):
+            if wanted:
+                (self.flags / f"{flag}-{shard}").touch()
 
     def release_all(self) -> None:
-        for p in self.flags.glob("hold-*"):
-            p.unlink()
-        for p in self.flags.glob("cut-*"):
-            p.unlink()
+        for pattern in ("hold-*", "cut-*", "fail-*"):
+            for p in self.flags.glob(pattern):
+                p.unlink()
 
     def holds(self) -> list[dict]:
         path = self.flags / "holds"

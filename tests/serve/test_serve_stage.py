@@ -7,14 +7,15 @@ nets; nothing here depends on how long anything takes."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
+from ckpt_factory import rewrite_in_place_setting_the_mtime_back
 from conftest import run_script, wait_until
 from test_serve_faults import push, status
 from test_serve_overlap import file_digests, make_checkpoint, serving, shards_of
+
+from ckptctl.regular_files import FileIdentity
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,9 @@ def test_a_staged_checkpoint_is_pushed_from_its_read_ahead_buffers(
 
 
 def test_a_stage_whose_files_changed_is_read_again(short_tmp: Path, tmp_path: Path) -> None:
-    """Bytes staged before the files changed are never pushed: the push reads them anew."""
+    """Bytes staged before the files changed are never pushed: the push reads them anew. The
+    files keep their inodes, sizes and mtimes (rewritten in place, the mtime set back): their
+    ctimes tell."""
     a = make_checkpoint(tmp_path / "a", seed=1)
     b = make_checkpoint(tmp_path / "b", seed=2)
     other = make_checkpoint(tmp_path / "other", seed=3)  # the same layout, other bytes
@@ -84,9 +87,8 @@ def test_a_stage_whose_files_changed_is_read_again(short_tmp: Path, tmp_path: Pa
         code, _, err = stage(job.sock, b)
         assert code == 0, err
         wait_until(lambda: staged_and_read(job.sock), what="the staged read")
-        for shard in b.glob("*.safetensors"):  # rewritten since: new inodes, other bytes
-            shard.unlink()
-            shutil.copy(other / shard.name, shard)
+        for shard in b.glob("*.safetensors"):  # rewritten since: other bytes
+            rewrite_in_place_setting_the_mtime_back(shard, (other / shard.name).read_bytes())
         code, doc, err = push(job.sock, path=b)
         assert code == 0, err
         assert not any(r["staged"] for r in doc["ranks"])
@@ -111,22 +113,20 @@ def test_a_stage_is_refused_as_its_push_would_be(short_tmp: Path, tmp_path: Path
 
 
 def test_a_stage_whose_read_failed_is_read_again(short_tmp: Path, tmp_path: Path) -> None:
-    """A staged read that failed (a file cut short while it read, back as it was since: a
-    passing fault) is not the push's: the push reads the files anew and succeeds."""
+    """A staged read that failed (a passing I/O error: the files are as they were, untouched)
+    is not the push's: the push reads the files anew and succeeds."""
     a = make_checkpoint(tmp_path / "a", seed=1)
     b = make_checkpoint(tmp_path / "b", seed=2)
     with serving(short_tmp, tmp_path, a) as job:
         first = b / shards_of(b)[0]  # (rank 0's: status shows rank 0's read)
-        data, before = first.read_bytes(), first.stat()
-        job.hold(b, first.name, cut=True)
-        (job.flags / "loaded").touch()  # the held read goes on at once, cut short
+        before = first.stat()
+        job.hold(b, first.name, fail=True)
+        (job.flags / "loaded").touch()  # the held read goes on at once, and fails
         code, _, err = stage(job.sock, b)
         assert code == 0, err
-        wait_until(lambda: (status(job.sock)["staged"] or {}).get("error"), what="the cut")
+        wait_until(lambda: (status(job.sock)["staged"] or {}).get("error"), what="the failure")
         job.release_all()
-        with open(first, "r+b") as fh:  # the same file again: inode, size, mtime
-            fh.write(data)
-        os.utime(first, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert FileIdentity.of(first.stat()) == FileIdentity.of(before)  # (as staged)
         code, doc, err = push(job.sock, path=b)
         assert code == 0, doc.get("error")
         assert not any(r["staged"] for r in doc["ranks"])

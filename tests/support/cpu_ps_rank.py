@@ -31,8 +31,9 @@ What the stand-in can be told to do:
 - CPU_PS_READ_HOLD=DIR: the reader's open of a shard X waits while DIR/hold-X exists, until
   DIR/loaded (or DIR/connected, with DIR/hold-X holding "connected") exists - which the
   server's workers write (fake_worker.ZmqWorkers.flags) - at most 20 s; with DIR/cut-X it
-  then cuts X short (a writer truncating it mid-push). Each open so held appends a line
-  {"held": X, "released": true|false} to DIR/holds.
+  then cuts X short (a writer truncating it mid-push); with DIR/fail-X the open fails as one
+  of an unreadable file does, X left as it is (a passing I/O error). Each open so held
+  appends a line {"held": X, "released": true|false} to DIR/holds.
 - CPU_PS_PLAN_LATE=1: the plan made (and share read) early, from the command's start, is done
   only once the job asks for it (a busy machine's order of events).
 """
@@ -454,6 +455,10 @@ def hold_reads(hold_dir: str) -> None:
                 os.truncate(path, os.path.getsize(path) // 2)
             with open(os.path.join(hold_dir, "holds"), "a") as fh:
                 fh.write(json.dumps({"held": file, "released": released}) + "\n")
+            if os.path.exists(os.path.join(hold_dir, f"fail-{file}")):
+                from ckptctl.errors import InvalidInput
+
+                raise InvalidInput(f"{checkpoint.path_of(file)}: cannot be read (I/O error)")
         return int(open_planned(checkpoint, file))
 
     reads_module.open_planned = held_open  # type: ignore[assignment]

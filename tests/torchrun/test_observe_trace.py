@@ -145,7 +145,9 @@ def test_push_trace_is_written_by_the_serve_job(short_tmp: Path) -> None:
     assert job.returncode == 0, err[-3000:]
 
 
-def test_a_trace_replaces_only_a_trace(tmp_path: Path) -> None:
+def test_a_trace_replaces_only_a_trace_ckptctl_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ckptctl.errors import UsageError
     from ckptctl.observe import timeline
 
@@ -153,14 +155,19 @@ def test_a_trace_replaces_only_a_trace(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     assert timeline.write(str(path), events) == 1
     assert timeline.write(str(path), events) == 1  # a trace written before: replaced
-    assert json.loads(path.read_text())["traceEvents"][0]["ts"] == 0
+    doc = json.loads(path.read_text())  # a trace-event file, with ckptctl's mark in it
+    assert doc["traceEvents"][0]["ts"] == 0 and doc["otherData"]["producer"] == "ckptctl"
 
     mine = tmp_path / "mine.json"
     mine.write_text('{"other": 1}')
+    # Another tool's Chrome trace (its own otherData after the events, as Chrome writes it).
+    chrome = tmp_path / "chrome.json"
+    chrome.write_text('{"traceEvents": [], "otherData": {"producer": "ckptctl"}}')
     link = tmp_path / "link.json"
     link.symlink_to(mine)
     for refused, why in (
         (mine, "not a trace ckptctl wrote"),
+        (chrome, "not a trace ckptctl wrote"),
         (link, "a symlink"),
         (tmp_path, "not a regular file"),
         (tmp_path / "nowhere" / "t.json", "no directory"),
@@ -168,7 +175,15 @@ def test_a_trace_replaces_only_a_trace(tmp_path: Path) -> None:
         with pytest.raises(UsageError, match=why):
             timeline.write(str(refused), events)
     assert mine.read_text() == '{"other": 1}' and link.is_symlink()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "mine.json", "t.json"]
+    assert chrome.read_text() == '{"traceEvents": [], "otherData": {"producer": "ckptctl"}}'
+    names = ["chrome.json", "link.json", "mine.json", "t.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    # Our own trace, when the process is not its owner's (root writing a user's file).
+    written = path.read_bytes()
+    monkeypatch.setattr(os, "geteuid", lambda: path.stat().st_uid + 1)
+    with pytest.raises(UsageError, match="a file of another user"):
+        timeline.write(str(path), events)
+    assert path.read_bytes() == written
 
 
 def test_update_refuses_a_trace_file_that_is_not_one(tmp_path: Path) -> None:

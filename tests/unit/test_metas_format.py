@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
@@ -82,41 +83,86 @@ def test_write_is_atomic_and_replaces(tmp_path: Path, written: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metas.json"]  # no temp files left
 
 
-def test_a_file_there_that_is_not_a_metas_file_is_never_replaced(tmp_path: Path) -> None:
-    """The path of a metas file may name the user's own file (a typo, a planted symlink):
-    only a new file, a metas file of ours or a pickle (the seed script's metas) is replaced."""
-    mine = tmp_path / "notes.txt"
-    mine.write_text("mine")
+def _refused_and_kept(path: Path, why: str) -> None:
+    """Neither check_target nor the writer replaces `path`: it stays byte for byte."""
+    before = path.read_bytes() if not path.is_symlink() else None
+    with pytest.raises(UsageError, match=f"^--save-metas-file .*: {why}"):
+        fileformat.check_target(path, "--save-metas-file")
+    with pytest.raises(OperationFailed, match=why):
+        write_metas_file(path, {}, checkpoint_name="x", world_size=1)
+    if before is not None:
+        assert path.read_bytes() == before
+
+
+# Files of the user's at the path of a metas file: a typo, a planted symlink, or a file that
+# only mentions checkpoint-engine or ckptctl's format. Each is refused and kept.
+USERS_FILES = {
+    "notes.txt": b"mine",
+    "driver.py": b"import checkpoint_engine\nfrom checkpoint_engine.ps import ParameterServer\n",
+    "config.yaml": b"engine: checkpoint_engine\nmetas: ckptctl-metas\n",
+    "run.log": b"2026-12-01 checkpoint_engine.data_types.MemoryBufferMetaList registered\n",
+    # JSON that names ckptctl's format but is not a metas document.
+    "settings.json": b'{"format": "ckptctl-metas", "save_to": "/ckpt/metas.json"}',
+    # Pickles: one only naming checkpoint-engine in a string, an optimizer's state, metas
+    # beside a tensor, bytes or another class, a list of metas (the seed script pickles a dict).
+    "names.pkl": pickle.dumps({"engine": "checkpoint_engine.data_types MemoryBufferMetaList"}),
+    "optimizer.pkl": pickle.dumps({"lr": [0.1], "step": 7}),
+    "with-tensor.pkl": pickle.dumps({**small_metas(), 9: torch.zeros(2)}),
+    "with-bytes.pkl": pickle.dumps({**small_metas(), 9: b"the user's own bytes"}),
+    "with-a-class.pkl": pickle.dumps({**small_metas(), 9: collections.OrderedDict(lr=0.1)}),
+    "list.pkl": pickle.dumps(list(small_metas().values())),
+}
+
+
+@pytest.mark.parametrize("name", sorted(USERS_FILES))
+def test_a_file_there_that_is_not_a_metas_file_is_never_replaced(tmp_path: Path, name: str) -> None:
+    mine = tmp_path / name
+    mine.write_bytes(USERS_FILES[name])
+    _refused_and_kept(mine, "exists and is not a metas file ckptctl wrote")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no temporary file left
+
+
+def test_a_symlink_a_file_of_another_user_and_a_huge_file_are_never_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine = write_small_metas(tmp_path)  # a metas file of ours, but behind a symlink
     link = tmp_path / "link.json"
     link.symlink_to(mine)
-    for path, why in ((mine, "is not a metas file ckptctl wrote"), (link, "a symlink")):
-        with pytest.raises(OperationFailed, match=why):
-            write_metas_file(path, {}, checkpoint_name="x", world_size=1)
-    assert mine.read_text() == "mine" and link.is_symlink()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "notes.txt"]
+    _refused_and_kept(link, "a symlink")
+    assert link.is_symlink()
+    # Beyond any metas file's size (sparse: nothing is written, nor read); and a metas file of
+    # ours, were it larger than the cap (test_the_size_cap_itself_is_256_mib checks the cap).
+    huge = tmp_path / "huge.json"
+    huge.write_bytes(mine.read_bytes())
+    os.truncate(huge, fileformat.MAX_METAS_FILE_BYTES + 1)
+    _refused_and_kept(huge, "exists and is not a metas file")
+    with monkeypatch.context() as patched:
+        patched.setattr(fileformat, "MAX_METAS_FILE_BYTES", mine.stat().st_size - 1)
+        _refused_and_kept(mine, "exists and is not a metas file")
+    # A metas file of another user (root runs ckptctl; the file is someone else's): as this
+    # process sees it, its owner is not the user that writes.
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(mine).st_uid + 1)
+    _refused_and_kept(mine, "a file of another user")
 
-    # Another pickle (an optimizer's state) is the user's too.
-    state = tmp_path / "optimizer.pkl"
-    state.write_bytes(pickle.dumps({"lr": [0.1], "step": 7}))
-    with pytest.raises(OperationFailed, match="is not a metas file"):
-        write_metas_file(state, {}, checkpoint_name="x", world_size=1)
-    assert pickle.loads(state.read_bytes()) == {"lr": [0.1], "step": 7}
 
-    # What the seed script's --save-metas-file wrote (a pickle of checkpoint-engine's metas,
-    # in any protocol) and an empty file (mktemp's) are replaced.
+def test_a_metas_file_written_before_an_empty_file_and_the_seed_scripts_pickle_are_replaced(
+    tmp_path: Path,
+) -> None:
+    """What ckptctl wrote, what the seed script's --save-metas-file wrote (a pickle of
+    checkpoint-engine's metas, any protocol, told from its opcodes) and an empty file
+    (mktemp's) are replaced."""
+    ours = write_small_metas(tmp_path)
+    assert fileformat.check_target(ours, "--save-metas-file") == str(ours)
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
         seeds = tmp_path / f"seed-{protocol}.pkl"
         seeds.write_bytes(pickle.dumps(small_metas(), protocol=protocol))
         assert fileformat.check_target(seeds, "--save-metas-file") == str(seeds)
         write_metas_file(seeds, {}, checkpoint_name="x", world_size=1)
         assert read_metas_file(seeds).checkpoint_name == "x"
-        seeds.unlink()
     empty = tmp_path / "empty"
     empty.touch()
     write_metas_file(empty, {}, checkpoint_name="x", world_size=1)
     assert read_metas_file(empty).checkpoint_name == "x"
-    with pytest.raises(UsageError, match=r"^--save-metas-file .*notes.txt: exists and is not"):
-        fileformat.check_target(mine, "--save-metas-file")
     with pytest.raises(UsageError, match="no directory"):
         fileformat.check_target(tmp_path / "no" / "m.json", "--save-metas-file")
 
@@ -259,6 +305,16 @@ def test_size_cap(written: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fileformat, "MAX_METAS_FILE_BYTES", size - 1)
     with pytest.raises(InvalidInput, match="larger than"):
         read_metas_file(written)
+
+
+def test_the_size_cap_itself_is_256_mib(tmp_path: Path) -> None:
+    """Unpatched: a file one byte over 256 MiB is refused from its size, before a byte of it
+    is read (sparse: nothing is written either)."""
+    path = tmp_path / "big.json"
+    path.write_bytes(b'{"format": "ckptctl-metas", "metas": ')
+    os.truncate(path, 256 * 2**20 + 1)
+    with pytest.raises(InvalidInput, match="is larger than 256 MiB, the most a metas file may be"):
+        read_metas_file(path)
 
 
 def test_absurd_numbers_and_nesting(tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ from conftest import assert_failure_document
 from metas_samples import every_dtype_metas, small_metas
 
 from ckptctl.errors import InvalidInput
-from ckptctl.metas import read_metas_file
-from ckptctl.metas.legacy import _admitted_globals
+from ckptctl.metas import legacy, read_metas_file
+from ckptctl.metas.legacy import _admitted_globals, is_metas_pickle
 
 
 def _payload_classes(marker: Path) -> list[type]:
@@ -208,6 +208,58 @@ def test_truncated_padded_and_persistent_id_pickles(tmp_path: Path) -> None:
         path.write_bytes(content)
         with pytest.raises(InvalidInput, match=message):
             read_metas_file(path, allow_pickle=True)
+
+
+def test_the_seed_scripts_pickle_is_told_from_its_opcodes_never_unpickled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """is_metas_pickle (may ckptctl replace this file?) reads opcodes only: with every way to
+    unpickle taken away, it still knows the seed script's pickles of every protocol, and no
+    other pickle: a malicious one, one padded or cut, metas beside another class."""
+    marker = tmp_path / "pwned"
+    seeds = [pickle.dumps(every_dtype_metas(), protocol=p) for p in range(6)]
+    others = [
+        *_malicious_pickles(marker),
+        seeds[5] + b"\x00junk",
+        seeds[5][:-1],
+        pickle.dumps({**small_metas(), 9: torch.zeros(2)}),
+        pickle.dumps([small_metas()]),
+        pickle.dumps({"lr": 0.1}),
+    ]
+
+    def unpickled(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("unpickled")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, unpickled)
+    monkeypatch.setattr(legacy, "_RestrictedUnpickler", unpickled)
+    assert all(is_metas_pickle(data) for data in seeds)
+    assert not any(is_metas_pickle(data) for data in others)
+    assert not marker.exists()
+
+
+def test_a_huge_integer_is_invalid_input_never_an_internal_error(tmp_path: Path) -> None:
+    """An integer of over 4300 digits cannot be turned into text (ValueError): wherever one
+    sits in a pickle read with --allow-pickle, the CLI says so in one line, exit 3."""
+    huge = 10**5000
+    plain = {k: v.model_dump(mode="json") for k, v in small_metas().items()}
+    buffer = plain[0]["memory_buffer_metas_list"][0]
+    size_object = small_metas()
+    object.__setattr__(
+        size_object[0].memory_buffer_metas_list[0].metas[0], "shape", torch.Size([huge])
+    )
+    cases = {
+        "rank": {-huge: plain[0]},
+        "address": {0: {**plain[0], "memory_buffer_metas_list": [{**buffer, "ptr": huge}]}},
+        "torch.Size": size_object,
+    }
+    for name, obj in cases.items():
+        path = tmp_path / f"{name}.pkl"
+        path.write_bytes(pickle.dumps(obj))
+        result = invoke("inspect-metas", str(path), "--allow-pickle")
+        assert result.exit_code == 3, (name, result.output)
+        assert result.stderr.count("\n") == 1, result.stderr
+        assert "an integer beyond 64 bits" in result.stderr
 
 
 def test_cli_refuses_malicious_pickle_with_and_without_the_flag(tmp_path: Path) -> None:
