@@ -114,6 +114,23 @@ def _facts(summary: dict[str, Any]) -> list[str]:
     return facts
 
 
+HISTORY_COLUMNS = ("seq", "outcome", "weight_version", "checkpoint_path", "wall_s",
+                   "total_bytes", "finished_at", "server_weights")  # fmt: skip
+
+
+def history_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """`status --history` when stdout is no terminal: a header, then one row per push, oldest
+    first, its values whole (a table wraps paths at 80 columns, and grep finds nothing)."""
+    rows = [list(HISTORY_COLUMNS)]
+    for p in doc.get("pushes") or []:
+        what = p.get("outcome") or "-"
+        if p.get("action") not in (None, "push") and what != "rolled back":
+            what += f" ({p['action']})"
+        values = {**p, "outcome": what, "server_weights": p.get("server_weights") or "unchanged"}
+        rows.append(["-" if values.get(c) is None else str(values[c]) for c in HISTORY_COLUMNS])
+    return rows
+
+
 def history_table(doc: dict[str, Any]) -> Any:
     """`status --history`: a row per push the job kept, oldest first, then how many ran."""
     from rich.console import Group

@@ -87,6 +87,15 @@ class Output:
         else:
             results.keep(doc)
 
+    def show_rows(self, rows: Iterable[Iterable[str]]) -> None:
+        """Result rows on stdout as tab-separated lines, for grep, cut and awk (rank 0, not
+        with --json): each value one line, redacted and escaped (a tab or line break in a
+        value shows as \\t or \\n, never as a column or row of its own)."""
+        if self.is_primary and not self.json_mode:
+            for row in rows:
+                self.out.file.write("\t".join(log_line(value) for value in row) + "\n")
+            self.out.file.flush()
+
     def show(self, renderable: Any, *, wrap: bool = False) -> None:
         """Human-readable results (tables, summaries) on stdout, from rank 0, not with --json.
         wrap: text wraps at the console's width (80 when stdout is not a terminal); by

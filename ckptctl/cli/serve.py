@@ -486,6 +486,10 @@ def status_command(
     doc = client.status(**which, timeout=timeout, history=history)
     if json_output:
         out.result(doc)
+    elif history and not out.out.is_terminal:  # (piped: a line per push, values whole)
+        from ckptctl.cli._job_view import history_rows
+
+        out.show_rows(history_rows(doc))
     elif history:
         from ckptctl.cli._job_view import history_table
 

@@ -75,9 +75,24 @@ def test_history_lists_each_push_with_its_outcome(short_tmp: Path, tmp_path: Pat
         assert client.status(control_socket=sock, history=True)["pushes"] == pushes
         assert "pushes" not in client.status(control_socket=sock)
 
+        # Piped: a header and one tab-separated line per push, its values whole (grep finds a
+        # path, cut takes a column).
+        piped = run_script("status", "--control-socket", sock, "--history", timeout=30)
+        assert piped.returncode == 0, piped.stderr
+        header, *lines = piped.stdout.splitlines()
+        columns = header.split("\t")
+        assert columns[:4] == ["seq", "outcome", "weight_version", "checkpoint_path"], header
+        got = [dict(zip(columns, line.split("\t"), strict=True)) for line in lines]
+        assert [g["outcome"] for g in got] == [p["outcome"] for p in pushes]
+        assert [g["checkpoint_path"] for g in got] == [p["checkpoint_path"] for p in pushes]
+        assert [g["finished_at"] for g in got] == [p["finished_at"] for p in pushes]
+        assert got[1]["server_weights"] == "unchanged" and got[0]["seq"] == "1"
+
+        # On a terminal (Rich's TTY_COMPATIBLE says stdout is one): the table.
         table = run_script(
-            "status", "--control-socket", sock, "--history", timeout=30, env={"COLUMNS": "200"}
-        )
+            "status", "--control-socket", sock, "--history", timeout=30,
+            env={"COLUMNS": "200", "TTY_COMPATIBLE": "1"},
+        )  # fmt: skip
         assert table.returncode == 0, table.stderr
         rows = [line for line in table.stdout.splitlines()[2:] if line.strip()[:1].isdigit()][:-1]
         assert len(rows) == 4, table.stdout
@@ -124,7 +139,11 @@ def test_a_line_break_in_a_folder_name_or_a_version_adds_no_line(
             run_script(
                 "status", "--control-socket", sock, "--history", timeout=30, env=wide
             ).stdout,
-        ]
+            run_script(
+                "status", "--control-socket", sock, "--history", timeout=30,
+                env={**wide, "TTY_COMPATIBLE": "1"},
+            ).stdout,
+        ]  # fmt: skip
         exact = run_script("status", "--control-socket", sock, "--history", "--json", timeout=30)
         assert run_script("stop", "--control-socket", sock, timeout=30).returncode == 0
         _, log = job.communicate(timeout=60)
@@ -135,6 +154,8 @@ def test_a_line_break_in_a_folder_name_or_a_version_adds_no_line(
     assert "ck\\nerror: forged by the path" in pushed.stdout
     assert "ck\\nerror: forged by the path" in log and "v1\\nerror: forged by the version" in log
     assert "v1\\nerror: forged by the version" in shown[0] and "v1\\nerror: forged" in shown[1]
+    assert "ck\\nerror: forged by the path" in shown[1]  # piped: the value whole
+    assert "v1\\nerror: forged" in shown[2]  # the table
     (entry,) = json.loads(exact.stdout)["pushes"]
     assert entry["weight_version"] == version and entry["checkpoint_path"] == str(folder)
 
