@@ -16,6 +16,7 @@ from ckptctl.errors import InvalidInput, UsageError
 if TYPE_CHECKING:
     from ckptctl.checkpoint.plan import SplitMode
     from ckptctl.pipeline.groups import ServerTargets
+    from ckptctl.pipeline.serve.commands import ServeCommand
 
 
 class Word(str, Enum):
@@ -83,10 +84,10 @@ class TransferRequest:
     timeout: float = 600.0
     timeout_flag: str = "--timeout"  # what an error tells to raise
 
-    def for_push(self, command: dict[str, Any], name: str) -> TransferRequest:
+    def for_push(self, command: ServeCommand, name: str) -> TransferRequest:
         """A serve push: this job's request with the push's checkpoint and flags."""
-        path, version = command["checkpoint_path"], command.get("weight_version")
-        consume = command.get("consume_shm_files")
+        path, version = command.checkpoint_path, command.weight_version
+        consume = command.consume_shm_files
         mode, split = registration(path, RegisterMode.consume if consume else self.register_mode, self.split)  # fmt: skip
         servers = self.servers if version is None else replace(self.servers, weight_version=version)
         return replace(
@@ -96,7 +97,7 @@ class TransferRequest:
             checkpoint_name=name,
             split=split,
             register_mode=mode,
-            verify=VERIFY if command.get("verify") else (),
+            verify=VERIFY if command.verify else (),
         )
 
 

@@ -3,6 +3,7 @@ error line and exit code, and what the flags resolve to is typed, printing as th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -22,6 +23,7 @@ from ckptctl.pipeline.request import (
     resolve,
     verify_ways,
 )
+from ckptctl.pipeline.serve.commands import ServeCommand
 
 SERVER = (None, None, None, "sglang", 1)
 UPDATE = {
@@ -183,19 +185,20 @@ def test_join_needs_the_p2p_store() -> None:
 
 def test_a_serve_push_takes_its_own_checkpoint_and_flags() -> None:
     job = resolve(SERVER, weight_version=None, timeout=60, timeout_flag="serve --push-timeout")
-    command = {
-        "checkpoint_path": "/dev/shm/ckptctl-request-test",
-        "consume_shm_files": True,
-        "weight_version": "v2",
-        "verify": True,
-    }
+    command = ServeCommand(
+        action="push",
+        checkpoint_path="/dev/shm/ckptctl-request-test",
+        consume_shm_files=True,
+        weight_version="v2",
+        verify=True,
+    )
     push = job.for_push(command, "push-3")
     assert push.register_mode is RegisterMode.consume and push.split == "files"
     assert push.servers.weight_version == "v2" and push.verify == VERIFY
     assert push.checkpoint_name == "push-3" and push.timeout_flag == "serve --push-timeout"
     assert job.servers.weight_version is None and job.register_mode is RegisterMode.direct
     with pytest.raises(CkptctlError) as info:
-        job.for_push({**command, "checkpoint_path": "/tmp/ckpt"}, "push-4")
+        job.for_push(dataclasses.replace(command, checkpoint_path="/tmp/ckpt"), "push-4")
     assert info.value.exit_code == ExitCode.USAGE
 
 

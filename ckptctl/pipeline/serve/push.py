@@ -36,6 +36,7 @@ from ckptctl.errors import (
 from ckptctl.pipeline.coordination import describe_abort
 from ckptctl.pipeline.job import Job
 from ckptctl.pipeline.request import RegisterMode
+from ckptctl.pipeline.serve.commands import ServeCommand
 from ckptctl.pipeline.serve.state import ServedLayout, ServeState, Staged
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from ckptctl.pipeline.serve.run import ServeOptions
     from ckptctl.pipeline.stages import ServerRequest
 
-Executor = Any  # Callable[[Job, dict], dict] (loop.py)
+Executor = Any  # Callable[[Job, ServeCommand], dict] (loop.py)
 
 # How long after a push's deadline the job's watchdog ends the job (a stage stuck for good).
 HARD_GRACE_S = 30.0
@@ -177,19 +178,19 @@ RESTORE_SERVER_WAIT_S = 5.0
 KEPT_WHOLE = 4
 
 
-def check_layout(state: ServeState, checkpoint: Any, command: dict[str, Any]) -> None:
+def check_layout(state: ServeState, checkpoint: Any, command: ServeCommand) -> None:
     """Refuse (exit 3) a checkpoint whose tensors are not those the server holds, unless the
     push allows a layout change: a server fails on a tensor of another shape in the middle of
     its update, with part of the checkpoint already taken."""
     served = state.layout
-    if served is None or command.get("allow_layout_change"):
+    if served is None or command.allow_layout_change:
         return
     from ckptctl.checkpoint.layout import layout_change
 
     change = layout_change(served.tensors, checkpoint.tensors)
     if change is not None:
         raise InvalidInput(
-            f"{command['checkpoint_path']}: its tensors are not those the server holds (from "
+            f"{command.checkpoint_path}: its tensors are not those the server holds (from "
             f"push {served.seq}): {change}; a server fails on such a push mid-update and "
             "keeps partly updated weights: push a checkpoint of the served layout, or pass "
             "--allow-layout-change (allow_layout_change=True from Python) if the server takes this one"
@@ -204,22 +205,22 @@ def gpu_executor(
 ) -> Executor:
     """One command: a push (the transfer of `update`, then the previous checkpoint is
     unregistered), or a restore / rollback, which pushes an earlier whole checkpoint again
-    (`command["restores"]`: its push's seq) if its files have not changed since."""
+    (`command.restores`: its push's seq) if its files have not changed since."""
     from ckptctl.pipeline import overlap, stages
     from ckptctl.pipeline.transfer import Transfer
 
     # From the second push on, a pool's buffers are handed over while they are read.
     gate = overlap.Gate(session) if state.pool is not None else None
 
-    def execute(job: Job, command: dict[str, Any]) -> dict[str, Any]:
-        action = command.get("action", "push")
+    def execute(job: Job, command: ServeCommand) -> dict[str, Any]:
+        action, seq = command.action, command.seq
         if action == "stage":
             return stage(job, command)
-        name = command.get("checkpoint_name") or f"push-{command['seq']}"
+        name = command.checkpoint_name or f"push-{seq}"
         if action != "push":
-            name = f"{name}-{action}-{command['seq']}"
+            name = f"{name}-{action}-{seq}"
         if name == state.registered:
-            name = f"{name}-{command['seq']}"  # the one being served is still registered
+            name = f"{name}-{seq}"  # the one being served is still registered
         req = opts.request.for_push(command, name)
         mode = req.register_mode
 
@@ -239,7 +240,7 @@ def gpu_executor(
                 # Read already (or still reading) into buffers of its own: the checkpoint the
                 # server holds stays registered until this one is in.
                 staged.append(ahead)
-                job.reporter.log(f"push {command['seq']}: read ahead by `stage`")
+                job.reporter.log(f"push {seq}: read ahead by `stage`")
                 return ahead.reader
             if pool is not None and mode is RegisterMode.direct and state.registered is not None:
                 # Its buffers are refilled with this checkpoint: the server already holds it,
@@ -308,7 +309,8 @@ def gpu_executor(
         checkpoint = t.checkpoint
         assert checkpoint is not None and t.plan is not None
         previous, state.registered = state.registered, name
-        served = command.get("restores", command["seq"])  # the push whose checkpoint this is
+        # The push whose checkpoint this is.
+        served = command.restores if command.restores is not None else seq
         state.layout = ServedLayout(served, checkpoint.tensors)
         if previous is not None:
             session.unregister(previous, pool)
@@ -332,7 +334,7 @@ def gpu_executor(
             "figures": job.figures(),
         }
 
-    def stage(job: Job, command: dict[str, Any]) -> dict[str, Any]:
+    def stage(job: Job, command: ServeCommand) -> dict[str, Any]:
         """`ckptctl stage`: plan the checkpoint and start reading it into buffers of its own
         (the pool's second set: one more share of pinned host memory), while the server keeps
         what it holds; the push of it that follows takes them (`take_staged`)."""
@@ -342,8 +344,8 @@ def gpu_executor(
                 "stage reads ahead into the pinned pool of serve --register-mode direct "
                 "(the default): this job registers another way"
             )
-        req = opts.request.for_push(command, f"stage-{command['seq']}")
-        checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], req.split)
+        req = opts.request.for_push(command, f"stage-{command.seq}")
+        checkpoint, plan, share = stages.plan_share(job, command.checkpoint_path, req.split)
         check_layout(state, checkpoint, command)  # refused now, as its push would be
         state.drop_staged()  # a stage replaces the one before it
         reader = stages.prefetch_share(
@@ -356,8 +358,7 @@ def gpu_executor(
             drop_page_cache=opts.drop_page_cache,
         )
         assert reader is not None
-        path = command["checkpoint_path"]
-        state.staged = Staged(command["seq"], path, checkpoint, share, reader)
+        state.staged = Staged(command.seq, command.checkpoint_path, checkpoint, share, reader)
         state.pinned_pool_bytes = pool.pinned_bytes
         return {
             "staged": True,
@@ -374,7 +375,7 @@ def gpu_executor(
 def take_staged(
     job: Job,
     state: ServeState,
-    command: dict[str, Any],
+    command: ServeCommand,
     checkpoint: Checkpoint,
     share: RankPlan,
     mode: RegisterMode,
@@ -390,8 +391,8 @@ def take_staged(
     usable = (
         staged is not None
         and mode is RegisterMode.direct
-        and command.get("action", "push") == "push"
-        and staged.checkpoint_path == command.get("checkpoint_path")
+        and command.action == "push"
+        and staged.checkpoint_path == command.checkpoint_path
         and staged.checkpoint.tensors == checkpoint.tensors
         and staged.checkpoint.file_ids == checkpoint.file_ids
         and staged.share.tensors == share.tensors
@@ -409,14 +410,14 @@ def take_staged(
     return None
 
 
-def _check_unchanged(state: ServeState, command: dict[str, Any], checkpoint: Any) -> None:
-    """A restore or rollback pushes the checkpoint of push `command["restores"]` again only if
+def _check_unchanged(state: ServeState, command: ServeCommand, checkpoint: Any) -> None:
+    """A restore or rollback pushes the checkpoint of push `command.restores` again only if
     its files are the ones that push read (exit 3 otherwise): same files, same inodes, sizes
     and mtimes, same headers."""
     from ckptctl.checkpoint.headers import changed_since
 
-    seq = command["restores"]
-    before = state.whole.get(seq)
+    seq = command.restores
+    before = None if seq is None else state.whole.get(seq)
     if before is None:
         raise InvalidInput(
             f"push {seq}'s checkpoint cannot be pushed again: its files were consumed, or it is "
