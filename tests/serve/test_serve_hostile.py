@@ -13,9 +13,12 @@ Deadlines are safety nets; nothing here depends on how long anything takes."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,9 +27,11 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from ckpt_factory import write_real_checkpoint
 from conftest import run_script, wait_until
 from test_serve_faults import push, status
-from test_serve_overlap import file_digests, make_checkpoint, serving
+from test_serve_overlap import SHARDS, file_digests, make_checkpoint, serving
+from test_serve_stage import stage, staged_and_read
 from torchrun_launch import free_master_port
 
 pytestmark = pytest.mark.slow
@@ -62,6 +67,150 @@ def forging(port: int, keys: dict[str, str]) -> Iterator[list[int]]:
     finally:
         done.set()
         thread.join(timeout=10)
+
+
+def same_tensors_other_files(root: Path, like: int) -> Path:
+    """make_checkpoint(seed=like)'s tensors, in 2 files instead of SHARDS: the same layout, a
+    different plan (another node's copy, re-sharded)."""
+    from safetensors.torch import load_file
+
+    source = make_checkpoint(root.parent / f"{root.name}-source", seed=like)
+    tensors = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = [{n: tensors[n] for n in names[:half]}, {n: tensors[n] for n in names[half:]}]
+    assert len(shards) != SHARDS
+    return write_real_checkpoint(root, shards)
+
+
+def rank0_fingerprint(path: Path) -> str:
+    """What rank 0 of a 2-rank job computes for `path` (the plan a forger claims for all)."""
+    from ckptctl.pipeline.stages import plan_fingerprint, read_and_plan
+
+    return plan_fingerprint(read_and_plan(str(path), 2, "auto")[1])
+
+
+def test_what_a_store_writer_forges_never_decides_what_a_push_sends_or_reports(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    a = make_checkpoint(tmp_path / "a", seed=1)
+    b = make_checkpoint(tmp_path / "b", seed=2)
+    c = make_checkpoint(tmp_path / "c", seed=3)
+    c_elsewhere = same_tensors_other_files(tmp_path / "c-node1", like=3)
+    port = free_master_port()
+    # Rank 1 stands on "another node": its copy of c is re-sharded, and it has no copy of a2.
+    a2 = tmp_path / "a2"
+    shutil.copytree(a, a2)
+    node_copy = {"CPU_PS_NODE_COPY": f"{c.resolve()}:{c_elsewhere},{a2.resolve()}:/no/copy"}
+    with serving(short_tmp, tmp_path, a, checker=True, port=port, env=node_copy) as job:
+        # 1. The issue's attack: push a (push 1, by `serving`), stage b (2), push a again (3)
+        # while "usable" is written for every rank where the ranks once agreed on a stage.
+        code, _, err = stage(job.sock, b)
+        assert code == 0, err
+        wait_until(lambda: staged_and_read(job.sock), what="the staged read")
+        usable = json.dumps({"usable": True})
+        job.workers.digests.clear()
+        with forging(port, {"push3//staged/0": usable, "push3//staged/1": usable}) as rounds:
+            code, doc, err = push(job.sock, path=a)
+        assert rounds[0] > 0
+        assert code == 0, err
+        assert doc["seq"] == 3 and doc["checkpoint_path"] == str(a.resolve()), doc
+        assert not any(r["staged"] for r in doc["ranks"]), doc["ranks"]
+        assert job.workers.digests == file_digests(a)  # every tensor of a, none of b
+
+        # 2. --verify's proofs: every rank's hashes and offers, forged to disagree with what
+        # the server holds. They travel over the job's group: the push proves b all the same.
+        junk = json.dumps({"sha256": {"layers.0.w": "0" * 64}, "where": "x", "offers": []})
+        keys = {f"push4//{k}/{r}": junk for r in (0, 1) for k in ("verify-sha256",
+                "verify-checksums", "verify-offers", "verify-weights")}  # fmt: skip
+        job.pushing = b
+        with forging(port, keys):
+            code, doc, err = push(job.sock, "--verify", path=b)
+        assert code == 0, err
+        assert doc["verified"] == "checksum" and doc["verification"]["tensor_count"] == 16, doc
+        assert job.workers.digests == file_digests(b)
+
+        # 3. Rank 1 (on "another node") sees c re-sharded: a forger claims one plan for both
+        # ranks. The plans are compared over the group: refused, and nothing moves.
+        fingerprint = json.dumps({"fingerprint": rank0_fingerprint(c), "host": "x"})
+        updates = job.workers.updates
+        with forging(port, {"push5//plan/0": fingerprint, "push5//plan/1": fingerprint}):
+            code, doc, err = push(job.sock, path=c)
+        assert code == 3, err
+        assert "rank 1 (on " in doc["error"] and "sees a different checkpoint" in doc["error"]
+        assert doc["server_weights"] is None and job.workers.updates == updates
+        # (A rank that fails before the ranks compare their plans still answers there with its
+        # error: the group stays in step, and the job serves on.)
+        code, doc, err = push(job.sock, path=a2)
+        assert code == 3, err
+        assert doc["error"].startswith("/no/copy: does not exist"), doc["error"]
+        assert doc["ranks"][0]["error"].startswith("rank 1 failed: /no/copy"), doc["ranks"]
+
+        # 4. Forged barrier keys let a rank pass early: the push is what it would be.
+        passed = {f"push7//{k}/{r}": "1" for r in (0, 1) for k in ("servers-up", "pushed")}
+        job.pushing = a
+        with forging(port, passed):
+            code, doc, err = push(job.sock, path=a)
+        assert code == 0, err
+        assert job.workers.digests == file_digests(a)
+
+        # 5. A forged abort notice of a push fails that push, as a failure and one clean line;
+        # the job serves on.
+        notice = json.dumps({"code": 0, "message": "all good\x1b[2J\x1b]0;PWNED\x07", "rank": 0})
+        with forging(port, {"push8//abort": notice}):
+            code, doc, err = push(job.sock, path=b)
+        assert code == 1 and doc["ok"] is False, err
+        assert doc["error"] == "rank 0 failed: all good", doc["error"]
+        job.pushing = b
+        code, doc, err = push(job.sock, path=b)
+        assert code == 0, err
+        assert job.workers.digests == file_digests(b)
+        assert status(job.sock)["last"]["seq"] == 9
+
+        # 6. A forged abort notice of the whole job ends it, as a failure: never 0.
+        assert job.proc is not None
+        with forging(port, {"abort": notice}):
+            _, err = job.proc.communicate(timeout=60)
+        assert job.proc.returncode not in (0, None), err[-3000:]
+        assert "rank 0 failed: all good" in err and "PWNED" not in err
+
+
+def test_a_forged_barrier_never_lets_a_rank_consume_its_files_before_every_rank_checked(
+    short_tmp: Path,
+) -> None:
+    """push --consume-shm-files: no rank consumes (pins and deletes) a file before every rank
+    has checked every file. Rank 0 checks late, and a forger writes "checked" for every rank
+    where the ranks once met in the store: they meet over the job's group, and the push goes
+    through whole."""
+    from conftest import cpu_serve_job, wait_for_path
+    from fake_server import Behaviour, FakeServer
+    from locations import TINY
+
+    shm = Path(tempfile.mkdtemp(prefix="ckptctl-test-consume-", dir="/dev/shm")) / "ck"
+    shutil.copytree(TINY, shm)
+    sock, port = str(short_tmp / "serve.sock"), free_master_port()
+    try:
+        with (
+            FakeServer(Behaviour()) as server,
+            cpu_serve_job(
+                server.endpoint, "--control-socket", sock, "--push-timeout", "120",
+                env={"CPU_PS_SLOW_CHECK_RANK": "0"}, port=port,
+            ) as proc,
+        ):  # fmt: skip
+            output = draining(proc)
+            assert wait_for_path(sock), "the serve job did not open its control socket"
+            checked = {f"push1//consume-checked/{r}": "1" for r in (0, 1)}
+            with forging(port, checked):
+                code, doc, err = push(sock, "--consume-shm-files", path=shm)
+            assert code == 0, err
+            assert sorted(os.listdir(shm)) == ["model.safetensors.index.json"]  # all consumed
+            assert run_script("stop", "--control-socket", sock, timeout=30).returncode == 0
+            proc.wait(timeout=60)
+        assert proc.returncode == 0, "".join(output)[-3000:]
+    finally:
+        shutil.rmtree(shm.parent, ignore_errors=True)
 
 
 # -- the control socket ------------------------------------------------------------------------

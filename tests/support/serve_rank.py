@@ -33,6 +33,7 @@ def execute(job: Job, command: ServeCommand) -> dict:
             fh.write(
                 json.dumps({"seq": command.seq, "checkpoint_name": command.checkpoint_name}) + "\n"
             )
+    # (every rank's plan compared over the job's group: the command's one exchange)
     _, plan, share = stages.plan_share(job, command.checkpoint_path, "auto")
     if command.checkpoint_name == "boom" and job.launch.rank == 1:
         raise RuntimeError("injected: not one of ckptctl's errors")  # as checkpoint-engine's

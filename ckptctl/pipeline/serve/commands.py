@@ -12,7 +12,9 @@ Every rank calls the same methods in the same order:
   each rank's stop reason]. A command then follows as a broadcast from rank 0; a stop (a
   signal to any rank, `ckptctl stop` on any node) as a broadcast from the first rank that
   asked, and every rank ends together.
-- `gather`: each rank's result, to every rank (so that every node can answer `status`).
+- `gather`: each rank's result, to every rank (so that every node can answer `status`);
+- `Exchanges`: what the ranks of one push must agree on while it runs (their plans, whether a
+  stage is used, what --verify proves), a `gather` each, made by every rank in the same order.
 
 A command is a `ServeCommand`: parsed and bounded once, where a client's request enters
 (loop.py's handlers), and sent as its JSON, which every rank parses with the same parser.
@@ -35,12 +37,13 @@ import dataclasses
 import json
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ckptctl.errors import OperationFailed
+from ckptctl.errors import OperationFailed, error_for
 
 STORE_PREFIX = "serve-commands/"
 MAX_COMMAND_BYTES = 64 * 1024
@@ -318,6 +321,45 @@ class CommandChannel:
             raise GroupLost(self._lost) from None
 
 
+class Exchanges:
+    """The exchanges of one command between its ranks, over the job's group (`gather`).
+
+    Every rank makes the same exchanges in the same order, `names` (the command decides them,
+    alike on every rank: serve/push.exchanges_of). A rank whose command failed before one of
+    them still makes it, with its error instead of its part (`finish`): the group's
+    collectives stay paired, and the others fail with that error at the exchange, never
+    waiting for a part that does not come."""
+
+    def __init__(
+        self, channel: CommandChannel, names: tuple[str, ...], timeout: Callable[[], float]
+    ) -> None:
+        self._channel = channel
+        self._names = names
+        self._made = 0
+        self._timeout = timeout  # how long the next exchange may wait for the slowest rank
+
+    def __call__(self, name: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's `doc` of exchange `name`, in rank order; a rank that failed before it
+        fails this one here with its error."""
+        if self._made >= len(self._names) or self._names[self._made] != name:
+            # A bug of ours: no rank may make an exchange the others do not expect.
+            raise OperationFailed(f"exchange {name!r} out of order: expected {self._names}")
+        self._made += 1
+        docs = self._channel.gather({"ok": True, "doc": doc}, self._timeout())
+        for rank, got in enumerate(docs):
+            if not got.get("ok"):
+                raise error_for(
+                    int(got.get("code") or 1), f"rank {rank} failed: {got.get('error')}"
+                )
+        return [got["doc"] for got in docs]
+
+    def finish(self, code: int, error: str | None) -> None:
+        """Make the exchanges this rank did not (its command failed before them: `error`)."""
+        while self._made < len(self._names):
+            self._made += 1
+            self._channel.gather({"ok": False, "code": code, "error": error}, self._timeout())
+
+
 def _devices(world_size: int) -> list[Any]:
     """gloo's devices, connecting every pair while the group is built (never lazily): on
     127.0.0.1 when every rank runs on this node, else as torch builds them (GLOO_SOCKET_IFNAME,
@@ -398,7 +440,11 @@ def _as_tensor(data: bytes) -> Any:
 
 
 def _as_bytes(tensor: Any) -> bytes:
-    return bytes(tensor.tolist())
+    """A contiguous uint8 tensor's bytes, copied at once (tolist would make an int of each)."""
+    import ctypes
+
+    tensor = tensor.contiguous()
+    return ctypes.string_at(tensor.data_ptr(), tensor.numel()) if tensor.numel() else b""
 
 
 def _first_line(exc: BaseException) -> str:

@@ -40,12 +40,13 @@ from ckptctl.pipeline.serve.commands import (
     TICK_TIMEOUT_S,
     BadCommand,
     CommandChannel,
+    Exchanges,
     GroupLost,
     ServeCommand,
     push_id_of,
 )
 from ckptctl.pipeline.serve.control import ControlServer, Handler, default_socket_path
-from ckptctl.pipeline.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock
+from ckptctl.pipeline.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock, exchanges_of
 from ckptctl.pipeline.serve.state import PushLog, ServeState
 from ckptctl.progress import StageFigures, StageLog
 
@@ -587,8 +588,19 @@ class ServeLoop:
         deadline = time.monotonic() + self.push_timeout
         job.watchdog.deadline = deadline + HARD_GRACE_S
         clock = PushClock(job.watchdog, deadline, self.push_timeout)
+        # What its ranks agree on goes over the group; each waits at most until the watchdog
+        # has ended a rank that never comes (its connections close, and this one fails).
+        exchanges = Exchanges(
+            self.channel,
+            exchanges_of(command),
+            lambda: max(clock.remaining(), 0.0) + HARD_GRACE_S + TICK_TIMEOUT_S,
+        )
         push_job = Job(
-            job.launch, job.coordinator.scoped(_scope(command)), cast(Any, clock), job.reporter
+            job.launch,
+            job.coordinator.scoped(_scope(command)),
+            cast(Any, clock),
+            job.reporter,
+            exchange=exchanges,
         )
         with self._lock:
             self._running = (command, push_job.coordinator)
@@ -618,6 +630,8 @@ class ServeLoop:
         if not result["ok"]:
             assert push_job.coordinator is not None
             push_job.coordinator.publish_abort(result["exit_code"], result["error"])
+        # (after the abort notice: a rank waiting in the store for this one hears of it first)
+        exchanges.finish(result["exit_code"], result["error"])
         result["rank"] = job.launch.rank
         result["wall_s"] = result["seconds"] = round(time.perf_counter() - started, 4)
         if command.trace:  # (taken out again by _run, once every rank's is in)

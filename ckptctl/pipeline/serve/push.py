@@ -15,6 +15,11 @@ watchdog ends the job only HARD_GRACE_S after it, for a stage nothing else can e
 checkpoint-engine's store barrier reuses one key (its issue #106): from the second update on
 it no longer waits for the other ranks, so a push ends with a barrier of ours under the push's
 own scope before any rank unregisters the previous checkpoint or refills its buffers.
+
+What decides what the server loads, or what a push reports, goes over the job's own group
+(commands.Exchanges), never through the store, where anyone who reaches its port can write:
+every rank's plan, with whether its stage can be sent (`exchanges_of`), and what --verify
+proves. The store carries only what can make a rank more careful (SECURITY.md lists each key).
 """
 
 from __future__ import annotations
@@ -178,6 +183,14 @@ RESTORE_SERVER_WAIT_S = 5.0
 KEPT_WHOLE = 4
 
 
+def exchanges_of(command: ServeCommand) -> tuple[str, ...]:
+    """The exchanges over the job's group that every rank of `command` makes, in order
+    (commands.Exchanges): every rank's plan, with its vote on the stage (`vote_on_stage`);
+    with --verify, what each server's checker offers, then what proves the weights
+    (verification.py)."""
+    return ("plan", "verify-offers", "verify-weights") if command.verify else ("plan",)
+
+
 def check_layout(state: ServeState, checkpoint: Any, command: ServeCommand) -> None:
     """Refuse (exit 3) a checkpoint whose tensors are not those the server holds, unless the
     push allows a layout change: a server fails on a tensor of another shape in the middle of
@@ -223,19 +236,21 @@ def gpu_executor(
             name = f"{name}-{seq}"  # the one being served is still registered
         req = opts.request.for_push(command, name)
         mode = req.register_mode
+        sendable = [False]  # every rank voted that its stage can be sent (vote_on_stage)
 
-        def on_planned(checkpoint: Checkpoint) -> None:
+        def on_planned(checkpoint: Checkpoint, plan: Plan, share: RankPlan) -> None:
             if action != "push":
                 _check_unchanged(state, command, checkpoint)
-            # Every rank planned the same checkpoint: every rank refuses alike, before any
-            # byte moves.
+            # Every rank planned the same checkpoint (checked next, over the group): every
+            # rank refuses alike, before any byte moves.
             check_layout(state, checkpoint, command)
+            sendable[0] = vote_on_stage(job, state, command, plan, share, mode)
 
         pool = state.pool  # serve --register-mode direct: buffers kept between pushes
         staged: list[Staged] = []  # the stage this push took, if it took one
 
         def prefetch(checkpoint: Checkpoint, plan: Plan, share: RankPlan) -> ShareReader | None:
-            ahead = take_staged(job, state, command, checkpoint, share, mode)
+            ahead = take_staged(state, sendable[0])
             if ahead is not None:
                 # Read already (or still reading) into buffers of its own: the checkpoint the
                 # server holds stays registered until this one is in.
@@ -345,6 +360,7 @@ def gpu_executor(
                 "(the default): this job registers another way"
             )
         req = opts.request.for_push(command, f"stage-{command.seq}")
+        # (every rank's plan compared over the group: the "plan" exchange)
         checkpoint, plan, share = stages.plan_share(job, command.checkpoint_path, req.split)
         check_layout(state, checkpoint, command)  # refused now, as its push would be
         state.drop_staged()  # a stage replaces the one before it
@@ -372,23 +388,25 @@ def gpu_executor(
     return execute
 
 
-def take_staged(
+def vote_on_stage(
     job: Job,
     state: ServeState,
     command: ServeCommand,
-    checkpoint: Checkpoint,
+    plan: Plan,
     share: RankPlan,
     mode: RegisterMode,
-) -> Staged | None:
-    """The stage for this command, if every rank has one of the same files, unchanged
-    since they were staged (the same tensors, inodes, sizes and mtimes), of its same share,
-    and read without an error; else it is discarded: a command that reads a checkpoint ends
-    the stage either way. The ranks agree through the store: a rank that sent staged bytes
-    while another read files changed since would push a mix of two checkpoints. Every push
-    of a pool asks (a store round trip), stage or none: a stage that failed on some ranks only
-    leaves one on the others."""
-    staged, state.staged = state.staged, None
-    usable = (
+) -> bool:
+    """Whether every rank can send the stage it holds for this command: one of the same
+    files, unchanged since they were staged (the same tensors, inodes, sizes and mtimes), of
+    its same share, read without an error. Each rank's vote travels with its plan, over the
+    job's group (stages.check_same_plan), never through the store: a rank that sent staged
+    bytes while another read files changed since would push a mix of two checkpoints, and a
+    forged "yes" there once did exactly that. A rank's own "no" always stands."""
+    from ckptctl.pipeline import stages
+
+    staged = state.staged
+    checkpoint = plan.checkpoint
+    mine = (
         staged is not None
         and mode is RegisterMode.direct
         and command.action == "push"
@@ -398,13 +416,15 @@ def take_staged(
         and staged.share.tensors == share.tensors
         and staged.reader.progress.error is None
     )
-    if state.pool is not None and job.coordinator is not None:  # (alike on every rank)
-        job.coordinator.publish("staged", {"usable": usable})
-        ranks = job.coordinator.collect("staged", timeout_s=max(job.watchdog.remaining(), 1.0))
-        usable = all(doc.get("usable") is True for doc in ranks)
-    if staged is None:
-        return None
-    if usable:
+    votes = stages.check_same_plan(job, plan, command.checkpoint_path, {"stage": mine})
+    return all(vote.get("stage") is True for vote in votes)
+
+
+def take_staged(state: ServeState, sendable: bool) -> Staged | None:
+    """The stage, if every rank voted it can be sent (vote_on_stage); else it is discarded:
+    a command that reads a checkpoint ends the stage either way."""
+    staged, state.staged = state.staged, None
+    if staged is None or sendable:
         return staged
     staged.discard()
     return None
