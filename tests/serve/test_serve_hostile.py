@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -28,7 +27,7 @@ from typing import IO
 
 import pytest
 from ckpt_factory import write_real_checkpoint
-from conftest import run_script, wait_until
+from conftest import raw_exchange, run_script, wait_until
 from test_serve_faults import push, status
 from test_serve_overlap import SHARDS, file_digests, make_checkpoint, serving
 from test_serve_stage import stage, staged_and_read
@@ -230,16 +229,9 @@ def draining(proc: subprocess.Popen[str]) -> list[str]:
     return lines
 
 
-def raw(sock: str, request: bytes, timeout: float = 120) -> tuple[int, dict]:
+def raw(sock: str, request: bytes) -> tuple[int, dict]:
     """Send `request` as is; (HTTP status, JSON answer) - the job always answers."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(timeout)
-        s.connect(sock)
-        s.sendall(request)
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, _, body = raw_exchange(sock, request, timeout=120).partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)
 
 
