@@ -23,6 +23,9 @@ from ckptctl.observe import timeline
 from ckptctl.progress import Reporter
 
 T = TypeVar("T")
+# (name, this rank's document) -> every rank's, in rank order: a serve push's exchange of what
+# its ranks must agree on, over the job's own group (serve/commands.Exchanges)
+Exchange = Callable[[str, dict[str, Any]], list[dict[str, Any]]]
 
 
 @dataclass
@@ -32,6 +35,8 @@ class Job:
     watchdog: Watchdog
     reporter: Reporter
     started: float = field(default_factory=time.perf_counter)
+    # A serve push's: what its ranks agree on (plans, --verify) goes there, not to the store.
+    exchange: Exchange | None = None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started

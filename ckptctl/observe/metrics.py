@@ -11,7 +11,7 @@ metrics are asked for.
 Whatever reaches the port can open connections and send its request a byte at a time, so the
 HTTP server here (MetricsServer, one thread a connection, the control socket's bounded request
 reader) holds at most MAX_SCRAPERS connections, gives each SCRAPE_DEADLINE_S for its whole
-exchange (not for each read), and caps the request's head (control.MAX_HEADER_BYTES). A new
+exchange (not for each read), and caps the request's head (small_http.MAX_HEADER_BYTES). A new
 connection to a full server is not refused: it takes the place of the oldest one still
 sending its request once that one has had EVICT_AFTER_S (a scraper sends its request at once,
 so only a slow client is ever cut off), and waits in the listen queue meanwhile. Slow clients
@@ -324,7 +324,7 @@ class MetricsServer:
             return began
 
     def _serve(self, conn: socket.socket, began: float) -> None:
-        from ckptctl.serve.control import HttpError, read_request
+        from ckptctl.small_http import HttpError, read_request
 
         deadline = began + self._deadline_s
         try:

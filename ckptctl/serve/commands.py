@@ -12,11 +12,15 @@ Every rank calls the same methods in the same order:
   each rank's stop reason]. A command then follows as a broadcast from rank 0; a stop (a
   signal to any rank, `ckptctl stop` on any node) as a broadcast from the first rank that
   asked, and every rank ends together.
-- `gather`: each rank's result, to every rank (so that every node can answer `status`).
+- `gather`: each rank's result, to every rank (so that every node can answer `status`);
+- `Exchanges`: what the ranks of one push must agree on while it runs (their plans, whether a
+  stage is used, what --verify proves), a `gather` each, made by every rank in the same order.
 
+A command is a `ServeCommand`: parsed and bounded once, where a client's request enters
+(loop.py's handlers), and sent as its JSON, which every rank parses with the same parser.
 Payloads are JSON bytes in uint8 tensors, their lengths first: nothing is ever unpickled.
 Every operation has a timeout; a rank that died fails the others' next operation at once (its
-connections close), one that hangs fails it at the timeout, and the job then ends.
+connections close), one that hangs fails it at the timeout, and the job then ends (GroupLost).
 
 gloo's listening socket takes no connection once the group is up. gloo accepts every
 connection queued on it, from anyone, before it reads from any, and aborts the process when an
@@ -29,19 +33,168 @@ run on one node (torchrun's LOCAL_WORLD_SIZE equal to WORLD_SIZE) builds the gro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ckptctl.errors import OperationFailed
+from ckptctl.errors import OperationFailed, error_for
 
 STORE_PREFIX = "serve-commands/"
 MAX_COMMAND_BYTES = 64 * 1024
 MAX_STOP_REASON_BYTES = 1024
 TICK_TIMEOUT_S = 60.0  # ranks reach each tick within milliseconds of one another
+
+
+# -- the command -------------------------------------------------------------------------------
+
+# Each string's bound, in the bytes it stands for (UTF-8; a path's undecodable bytes as the OS
+# gives them back). JSON escapes a character into at most six bytes per byte it stands for
+# ("\u0001", "\udcff"), so the widest command, every string at its bound, still encodes under
+# MAX_COMMAND_BYTES (tests/unit/test_serve_command.py builds it).
+TEXT_BOUNDS = {
+    "checkpoint_path": 4096,
+    "trace": 4096,
+    "checkpoint_name": 1024,
+    "weight_version": 1024,
+    "push_id": 256,
+    "started_at": 64,
+}
+FLAGS = ("consume_shm_files", "verify", "allow_layout_change")
+# What a client may send with each request; "restore" is the job's own (after a failed push).
+CLIENT_FIELDS = {
+    "push": {"checkpoint_path", "checkpoint_name", "weight_version", "push_id", "trace", *FLAGS},
+    "stage": {"checkpoint_path", "push_id", "allow_layout_change"},
+    "rollback": {"push_id"},
+}
+ACTIONS = ("push", "stage", "rollback", "restore")
+MAX_SEQ = 2**53  # (exact in any JSON reader)
+
+
+class BadCommand(ValueError):
+    """A request the job refuses (HTTP 400), with why."""
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    """One command of a serve job, as every rank runs it."""
+
+    action: str  # one of ACTIONS
+    checkpoint_path: str
+    seq: int = 0  # the job's number for it (given when it is queued)
+    checkpoint_name: str | None = None
+    weight_version: str | None = None
+    consume_shm_files: bool = False
+    verify: bool = False
+    push_id: str | None = None  # the client's own name for it, to cancel it by
+    allow_layout_change: bool = False
+    trace: str | None = None  # push --trace FILE: where rank 0 writes its timeline
+    restores: int | None = None  # a restore's or rollback's: the push whose checkpoint it is
+    started_at: str | None = None  # when rank 0 sent it to every rank
+
+    def __post_init__(self) -> None:
+        problem = _problem(self)
+        if problem:
+            raise BadCommand(problem)
+
+    @classmethod
+    def from_request(cls, action: str, doc: Any) -> ServeCommand:
+        """A client's push or stage request (`doc`: its parsed JSON body); BadCommand says
+        what is wrong with it."""
+        if not isinstance(doc, dict):
+            raise BadCommand(f'{action} needs a JSON object: {{"checkpoint_path": DIR, ...}}')
+        _known_fields(action, doc)
+        if not isinstance(doc.get("checkpoint_path"), str) or not doc["checkpoint_path"]:
+            raise BadCommand(f'{action} needs {{"checkpoint_path": DIR}}')
+        return cls(action=action, **doc)
+
+    def to_json(self) -> bytes:
+        """What rank 0 sends every rank (ASCII: every character outside it escaped)."""
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ServeCommand:
+        """A command as rank 0 sent it, checked as the control socket checked it."""
+        if len(data) > MAX_COMMAND_BYTES:
+            raise BadCommand(f"a command of {len(data)} bytes exceeds {MAX_COMMAND_BYTES}")
+        try:
+            doc = json.loads(data)
+        except (ValueError, RecursionError):
+            raise BadCommand("a command that is not JSON") from None
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(doc, dict) or set(doc) != names:
+            raise BadCommand("a command whose fields are not a serve command's")
+        return cls(**doc)
+
+
+def push_id_of(doc: Any, what: str) -> str | None:
+    """The `push_id` of a request that takes nothing else (`what`: rollback, cancel)."""
+    if doc is None:
+        return None
+    if not isinstance(doc, dict) or set(doc) - {"push_id"}:
+        raise BadCommand(f'{what} takes no fields but "push_id"')
+    push_id = doc.get("push_id")
+    problem = _text_problem("push_id", push_id)
+    if problem:
+        raise BadCommand(problem)
+    return push_id
+
+
+def _known_fields(action: str, doc: dict[str, Any]) -> None:
+    known = CLIENT_FIELDS[action]
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        shown = ", ".join(repr(name[:40]) for name in unknown[:5])
+        raise BadCommand(f"unknown fields [{shown}]; known: {sorted(known)}")
+
+
+def _problem(command: ServeCommand) -> str | None:
+    """Why `command` cannot be a serve command, or None."""
+    if command.action not in ACTIONS:
+        return f"no such command: {str(command.action)[:40]!r}"
+    for name in ("seq", "restores"):
+        value = getattr(command, name)
+        if (value is not None or name == "seq") and not (
+            type(value) is int and 0 <= value < MAX_SEQ
+        ):
+            return f"{name} must be a whole number"
+    for name in TEXT_BOUNDS:
+        problem = _text_problem(name, getattr(command, name))
+        if problem:
+            return problem
+    if not command.checkpoint_path:
+        return f'{command.action} needs {{"checkpoint_path": DIR}}'
+    if command.trace is not None and not command.trace.startswith("/"):
+        return "trace must be an absolute path"
+    for name in FLAGS:
+        if type(getattr(command, name)) is not bool:
+            return f"{name} must be true or false"
+    return None
+
+
+def _text_problem(name: str, value: Any) -> str | None:
+    """Why `value` cannot be the text field `name` (None and bounded text can)."""
+    if value is None:
+        return None
+    bound = TEXT_BOUNDS[name]
+    wrong = f"{name} must be a string of at most {bound} bytes (UTF-8), without NUL"
+    if not isinstance(value, str) or len(value) > bound or "\0" in value:
+        return wrong
+    try:
+        size = len(value.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:  # a lone surrogate: no bytes stand for it
+        return wrong
+    return wrong if size > bound else None
+
+
+class GroupLost(OperationFailed):
+    """The job's group failed (a rank died or hangs): the ranks can no longer run commands in
+    step, so the job ends - the one failure of a command that ends it."""
 
 
 class CommandChannel:
@@ -54,6 +207,7 @@ class CommandChannel:
         self.rank = rank
         self.world_size = world_size
         self._pg: Any = None
+        self._lost: str | None = None  # why an operation failed: the group is unusable since
         if world_size == 1:
             return  # every collective of one rank is a copy: no group, no port
         before = _tcp_listeners()  # (a gloo device listens from its creation on)
@@ -73,14 +227,13 @@ class CommandChannel:
                 _drop_every_packet(fd)
 
     # -- the collectives ---------------------------------------------------------------------------
-    def tick(
-        self, command: bytes, stop_reason: str | None
-    ) -> tuple[dict[str, Any] | None, tuple[int, str] | None]:
-        """One round: (the command every rank runs now, or None; (rank, reason) of a stop, or None).
-        `command` counts on rank 0 only; a stop wins over a command."""
+    def tick(self, command: bytes, stop_reason: str | None) -> tuple[bytes, tuple[int, str] | None]:
+        """One round: (the command every rank runs now - a ServeCommand's JSON, b"" for none;
+        (rank, reason) of a stop, or None). `command` counts on rank 0 only; a stop wins over a
+        command."""
         import torch
 
-        if len(command) > MAX_COMMAND_BYTES:
+        if len(command) > MAX_COMMAND_BYTES:  # (ServeCommand's bounds keep every command under)
             raise OperationFailed(f"a command of {len(command)} bytes exceeds {MAX_COMMAND_BYTES}")
         stop = (stop_reason or "").encode()[:MAX_STOP_REASON_BYTES]
         counts = torch.zeros(1 + self.world_size, dtype=torch.int64)
@@ -93,15 +246,11 @@ class CommandChannel:
         if asking:
             r = asking[0]
             reason = self._broadcast(stop if self.rank == r else b"", stops[r], r, TICK_TIMEOUT_S)
-            return None, (r, reason.decode("utf-8", errors="replace"))
+            return b"", (r, reason.decode("utf-8", errors="replace"))
         length = int(counts[0])
         if not length:
-            return None, None
-        data = self._broadcast(command if self.rank == 0 else b"", length, 0, TICK_TIMEOUT_S)
-        doc = json.loads(data)
-        if not isinstance(doc, dict):
-            raise OperationFailed("rank 0 sent a command that is not a JSON object")
-        return doc, None
+            return b"", None
+        return self._broadcast(command if self.rank == 0 else b"", length, 0, TICK_TIMEOUT_S), None
 
     def gather(self, doc: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
         """Every rank's `doc`, in rank order, on every rank (waiting up to `timeout_s` for the
@@ -160,13 +309,55 @@ class CommandChannel:
         self._run(lambda: self._pg.allgather([outs], [tensor], opts))
 
     def _run(self, start: Any) -> None:
+        if self._lost is not None:  # its collectives are out of step for good: never pair them
+            raise GroupLost(self._lost)
         try:
             start().wait()
         except RuntimeError as exc:
-            raise OperationFailed(
+            self._lost = (
                 f"the serve job lost contact with a rank ({_first_line(exc)}): it probably "
                 "died or hangs - see its log"
-            ) from None
+            )
+            raise GroupLost(self._lost) from None
+
+
+class Exchanges:
+    """The exchanges of one command between its ranks, over the job's group (`gather`).
+
+    Every rank makes the same exchanges in the same order, `names` (the command decides them,
+    alike on every rank: serve/push.exchanges_of). A rank whose command failed before one of
+    them still makes it, with its error instead of its part (`finish`): the group's
+    collectives stay paired, and the others fail with that error at the exchange, never
+    waiting for a part that does not come."""
+
+    def __init__(
+        self, channel: CommandChannel, names: tuple[str, ...], timeout: Callable[[], float]
+    ) -> None:
+        self._channel = channel
+        self._names = names
+        self._made = 0
+        self._timeout = timeout  # how long the next exchange may wait for the slowest rank
+
+    def __call__(self, name: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's `doc` of exchange `name`, in rank order; a rank that failed before it
+        fails this one here with its error."""
+        if self._made >= len(self._names) or self._names[self._made] != name:
+            # A bug of ours: no rank may make an exchange the others do not expect.
+            raise OperationFailed(f"exchange {name!r} out of order: expected {self._names}")
+        self._made += 1
+        docs = self._channel.gather({"ok": True, "doc": doc}, self._timeout())
+        for rank, got in enumerate(docs):
+            if not got.get("ok"):
+                raise error_for(
+                    int(got.get("code") or 1), f"rank {rank} failed: {got.get('error')}"
+                )
+        return [got["doc"] for got in docs]
+
+    def finish(self, code: int, error: str | None) -> None:
+        """Make the exchanges this rank did not (its command failed before them: `error`)."""
+        while self._made < len(self._names):
+            self._made += 1
+            self._channel.gather({"ok": False, "code": code, "error": error}, self._timeout())
 
 
 def _devices(world_size: int) -> list[Any]:
@@ -249,7 +440,11 @@ def _as_tensor(data: bytes) -> Any:
 
 
 def _as_bytes(tensor: Any) -> bytes:
-    return bytes(tensor.tolist())
+    """A contiguous uint8 tensor's bytes, copied at once (tolist would make an int of each)."""
+    import ctypes
+
+    tensor = tensor.contiguous()
+    return ctypes.string_at(tensor.data_ptr(), tensor.numel()) if tensor.numel() else b""
 
 
 def _first_line(exc: BaseException) -> str:

@@ -23,10 +23,9 @@ Default names are `serve-<digest>.sock`, the digest taken from the servers the j
 servers) never share a socket, and `push --endpoint URL` finds the job that feeds URL.
 Without a name a client takes the only job that answers, and refuses to guess among several.
 
-The HTTP spoken here is a small subset, parsed with bounds: one request per connection,
-headers up to 16 KiB, a JSON body up to 64 KiB (Content-Length only; 400 for a malformed
-length, 413 beyond the cap), the whole request within 10 s (408 after), and at most 32
-connections at once. Answers are JSON. No torch here: the client half imports this module
+The HTTP spoken here is ckptctl.small_http's, parsed with bounds (one request per connection,
+headers up to 16 KiB, a JSON body up to 64 KiB, the whole request within 10 s), with at most
+32 connections at once. Answers are JSON. No torch here: the client half imports this module
 for where sockets live, and `push` and `status` start fast.
 """
 
@@ -35,9 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import os
-import re
 import socket
 import stat
 import threading
@@ -48,31 +45,21 @@ from typing import Any
 
 from ckptctl.defaults import SOCKET_DIR_ENV
 from ckptctl.errors import UsageError, print_error
+from ckptctl.small_http import (
+    REQUEST_DEADLINE_S,
+    HttpError,
+    discard_rest,
+    parse_body,
+    read_request,
+    send_json,
+)
 from ckptctl.unix_peers import peer_uid
 
-MAX_HEADER_BYTES = 16 * 1024
-MAX_BODY_BYTES = 64 * 1024
-REQUEST_DEADLINE_S = 10.0
 MAX_CONNECTIONS = 32
 SOCKET_GLOB = "serve-*.sock"
 
 # (parsed JSON body, or None without one) -> (HTTP status, JSON answer)
 Handler = Callable[[Any], tuple[int, dict[str, Any]]]
-
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    403: "Forbidden",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    409: "Conflict",
-    413: "Content Too Large",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    501: "Not Implemented",
-    503: "Service Unavailable",
-}
 
 
 # -- where sockets live ----------------------------------------------------------------------------
@@ -160,99 +147,6 @@ def job_targets(endpoints: Sequence[str], uds: Sequence[str]) -> list[str]:
 # -- the server ------------------------------------------------------------------------------------
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _answer(conn: socket.socket, status: int, doc: dict[str, Any]) -> None:
-    body = json.dumps(doc).encode()
-    head = (
-        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
-        "Content-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    )
-    conn.settimeout(REQUEST_DEADLINE_S)  # a client that never reads cannot hold us
-    conn.sendall(head.encode() + body)
-
-
-def _discard_rest(conn: socket.socket) -> None:
-    """After an early answer: closing with the client's bytes unread would reset the
-    connection before the answer arrives. Let it finish sending (1 s, 1 MiB at most) and
-    throw that away, unparsed."""
-    conn.shutdown(socket.SHUT_WR)
-    deadline, left = time.monotonic() + 1.0, 1 << 20
-    while left > 0 and time.monotonic() < deadline:
-        conn.settimeout(max(deadline - time.monotonic(), 0.01))
-        chunk = conn.recv(65536)
-        if not chunk:
-            return
-        left -= len(chunk)
-
-
-def _recv(conn: socket.socket, deadline: float, what: str) -> bytes:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise HttpError(408, f"the {what} took longer than {REQUEST_DEADLINE_S:g}s")
-    conn.settimeout(left)
-    try:
-        return conn.recv(65536)
-    except TimeoutError:
-        raise HttpError(408, f"the {what} took longer than {REQUEST_DEADLINE_S:g}s") from None
-
-
-def read_request(conn: socket.socket, deadline: float) -> tuple[str, str, bytes] | None:
-    """(method, path, body) of one request, or None when the client left without one."""
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        if len(buf) > MAX_HEADER_BYTES:
-            raise HttpError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
-        chunk = _recv(conn, deadline, "request")
-        if not chunk:
-            return None
-        buf += chunk
-    head, _, rest = buf.partition(b"\r\n\r\n")
-    if len(head) > MAX_HEADER_BYTES:
-        raise HttpError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise HttpError(400, "not an HTTP/1.x request line")
-    method, target = parts[0], parts[1]
-    headers: dict[str, list[str]] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise HttpError(400, "a malformed header line")
-        headers.setdefault(name.lower(), []).append(value.strip())
-    if "transfer-encoding" in headers:
-        raise HttpError(501, "only bodies with a Content-Length are accepted")
-    lengths = headers.get("content-length", ["0"])
-    if len(set(lengths)) != 1 or not re.fullmatch(r"[0-9]{1,18}", lengths[0]):
-        raise HttpError(400, "Content-Length is not a number")
-    length = int(lengths[0])
-    if length > MAX_BODY_BYTES:
-        raise HttpError(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
-    body = rest
-    while len(body) < length:
-        chunk = _recv(conn, deadline, "request body")
-        if not chunk:
-            return None
-        body += chunk
-    return method, target.split("?", 1)[0], body[:length]
-
-
-def parse_body(body: bytes) -> Any:
-    if not body.strip():
-        return None
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError):
-        raise HttpError(400, "the body is not JSON") from None
-
-
 class ControlServer:
     """A bounded JSON-over-HTTP endpoint on a Unix socket, for the job owner's uid only.
 
@@ -318,7 +212,7 @@ class ControlServer:
                 continue
             if not self._slots.acquire(blocking=False):
                 with contextlib.suppress(OSError):
-                    _answer(
+                    send_json(
                         conn, 503, {"error": f"more than {MAX_CONNECTIONS} connections at once"}
                     )
                 conn.close()
@@ -335,7 +229,7 @@ class ControlServer:
 
         def run() -> None:
             try:
-                _answer(
+                send_json(
                     conn,
                     403,
                     {
@@ -343,7 +237,7 @@ class ControlServer:
                         "error": f"this serve job takes commands from uid {os.getuid()} only, not {uid}",
                     },
                 )
-                _discard_rest(conn)
+                discard_rest(conn)
             except OSError:
                 pass
             finally:
@@ -366,15 +260,15 @@ class ControlServer:
                 if handler is None:
                     raise HttpError(405, f"{method[:10]} is not allowed on {path}")
             except HttpError as exc:
-                _answer(conn, exc.status, {"ok": False, "error": str(exc)})
-                _discard_rest(conn)
+                send_json(conn, exc.status, {"ok": False, "error": str(exc)})
+                discard_rest(conn)
                 return
             try:
                 status, answer = handler(doc)
             except Exception as exc:  # noqa: BLE001 - one line on the job's stderr, never a traceback
                 print_error(f"control socket: {type(exc).__name__}: {exc}", label="warning")
                 status, answer = 500, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            _answer(conn, status, answer)
+            send_json(conn, status, answer)
         except OSError:
             pass  # the client went away: nothing to answer
         finally:

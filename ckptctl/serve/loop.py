@@ -20,7 +20,7 @@ rank, and the job goes on serving.
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
 import socket
 import threading
 import time
@@ -38,26 +38,23 @@ from ckptctl.job.runner import Job
 from ckptctl.observe import timeline
 from ckptctl.progress import StageFigures, StageLog
 from ckptctl.results import REFUSED, outcome
-from ckptctl.serve.commands import TICK_TIMEOUT_S, CommandChannel
+from ckptctl.serve.commands import (
+    TICK_TIMEOUT_S,
+    BadCommand,
+    CommandChannel,
+    Exchanges,
+    GroupLost,
+    ServeCommand,
+    push_id_of,
+)
 from ckptctl.serve.control import ControlServer, Handler, default_socket_path
-from ckptctl.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock
+from ckptctl.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock, exchanges_of
 from ckptctl.serve.state import PushLog, ServeState
 
-Executor = Callable[[Job, dict[str, Any]], dict[str, Any]]
+Executor = Callable[[Job, ServeCommand], dict[str, Any]]
 
 TICK_S = 0.1
 MAX_QUEUED = 16
-PUSH_FIELDS = {
-    "checkpoint_path",
-    "checkpoint_name",
-    "weight_version",
-    "consume_shm_files",
-    "verify",
-    "push_id",  # the client's own name for its push, to cancel it by (Ctrl-C on `push`)
-    "allow_layout_change",
-    "trace",  # push --trace FILE: where rank 0 writes the push's timeline (observe/timeline.py)
-}
-STAGE_FIELDS = {"checkpoint_path", "push_id", "allow_layout_change"}
 # After a stop, a push under way must end within this many seconds, or the job ends anyway.
 STOP_GRACE_S = 8.0
 
@@ -70,7 +67,7 @@ def utc_now() -> str:
 class _Pending:
     """A push waiting on rank 0 for its turn and then for its result."""
 
-    command: dict[str, Any]
+    command: ServeCommand
     done: threading.Event = field(default_factory=threading.Event)
     result: dict[str, Any] | None = None
 
@@ -94,7 +91,7 @@ def failure_result(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_results(command: ServeCommand, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Every rank's result of one push as one: ok only if every rank's is."""
     failed = [r for r in ranks if not r.get("ok")]
     # Another rank's "rank N failed: ..." echoes the failure; the rank that failed says it best.
@@ -109,21 +106,21 @@ def merge_results(command: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[
     # whole: the server holds every tensor of this push; partial: a mix of old and new;
     # None: this push never reached the server's weights (a stage never does: it reads ahead).
     weights = None
-    if command.get("action") != "stage":
+    if command.action != "stage":
         weights = "whole" if first is None else ("partial" if partial else None)
     return {
         "ok": first is None,
         "exit_code": 0 if first is None else int(first.get("exit_code") or ExitCode.FAILED),
         "error": error,
-        "action": command.get("action", "push"),
-        "seq": command["seq"],
-        "restores": command.get("restores"),  # a rollback's: the push it pushes again
-        "push_id": command.get("push_id"),
-        "checkpoint_path": command.get("checkpoint_path"),
-        "checkpoint_name": ranks[0].get("checkpoint_name") or command.get("checkpoint_name"),
-        "weight_version": command.get("weight_version"),
+        "action": command.action,
+        "seq": command.seq,
+        "restores": command.restores,  # a rollback's: the push it pushes again
+        "push_id": command.push_id,
+        "checkpoint_path": command.checkpoint_path,
+        "checkpoint_name": ranks[0].get("checkpoint_name") or command.checkpoint_name,
+        "weight_version": command.weight_version,
         "server_weights": weights,
-        "started_at": command.get("started_at"),
+        "started_at": command.started_at,
         "finished_at": utc_now(),
         "wall_s": wall_s,
         "seconds": wall_s,  # (the name before wall_s; programs read it)
@@ -167,10 +164,10 @@ class JobStatus:
         """The whole set before the last one: what a rollback pushes."""
         return self.whole_pushes[-2] if len(self.whole_pushes) > 1 else None
 
-    def begin(self, command: dict[str, Any]) -> None:
+    def begin(self, command: ServeCommand) -> None:
         with self._lock:
             self.running = {
-                k: command.get(k) for k in ("action", "seq", "checkpoint_path", "started_at")
+                k: getattr(command, k) for k in ("action", "seq", "checkpoint_path", "started_at")
             }
 
     def record(self, merged: dict[str, Any]) -> None:
@@ -227,14 +224,18 @@ class JobStatus:
             }
 
 
-def push_again(whole: dict[str, Any], action: str) -> dict[str, Any]:
+def push_again(
+    whole: dict[str, Any], action: str, *, seq: int = 0, push_id: str | None = None
+) -> ServeCommand:
     """A command that pushes a whole set (JobStatus.whole_pushes) again: a restore
     or a rollback, with that push's checkpoint, name and weight version."""
-    return {
-        "action": action,
-        "restores": whole["seq"],
+    return ServeCommand(
+        action=action,
+        seq=seq,
+        restores=whole["seq"],
+        push_id=push_id,
         **{k: whole[k] for k in ("checkpoint_path", "checkpoint_name", "weight_version")},
-    }
+    )
 
 
 def describe_stage(st: StageFigures) -> dict[str, Any]:
@@ -286,7 +287,7 @@ class ServeLoop:
         self._signals = 0
         self._wake = threading.Event()
         # The command under way (rank 0's `/cancel` and a stop give it up through its scope).
-        self._running: tuple[dict[str, Any], Any] | None = None
+        self._running: tuple[ServeCommand, Any] | None = None
         self.restore = restore  # push the last whole checkpoint again after a partial failure
 
     # -- the control socket's handlers (its threads) ------------------------------------------------
@@ -337,43 +338,23 @@ class ServeLoop:
         }
 
     def handle_push(self, doc: Any) -> tuple[int, dict[str, Any]]:
-        refusal = self._not_here()
-        if refusal:
-            return refusal
-        problem = _check_push(doc)
-        if problem:
-            return 400, {"ok": False, "error": problem}
-        return self._enqueue(
-            {
-                "action": "push",
-                "checkpoint_path": doc["checkpoint_path"],
-                "checkpoint_name": doc.get("checkpoint_name"),
-                "weight_version": doc.get("weight_version"),
-                "consume_shm_files": bool(doc.get("consume_shm_files")),
-                "verify": bool(doc.get("verify")),
-                "push_id": doc.get("push_id"),
-                "allow_layout_change": bool(doc.get("allow_layout_change")),
-                "trace": doc.get("trace"),
-            }
-        )
+        return self._take("push", doc)
 
     def handle_stage(self, doc: Any) -> tuple[int, dict[str, Any]]:
         """Read a checkpoint ahead for the next push (`ckptctl stage`): answered once every
         rank has planned it and started reading; `status` shows how far the read got."""
+        return self._take("stage", doc)
+
+    def _take(self, action: str, doc: Any) -> tuple[int, dict[str, Any]]:
+        """A client's push or stage: checked and bounded here, once, then queued."""
         refusal = self._not_here()
         if refusal:
             return refusal
-        problem = _check_push(doc, STAGE_FIELDS)
-        if problem:
-            return 400, {"ok": False, "error": problem.replace("push", "stage", 1)}
-        return self._enqueue(
-            {
-                "action": "stage",
-                "checkpoint_path": doc["checkpoint_path"],
-                "push_id": doc.get("push_id"),
-                "allow_layout_change": bool(doc.get("allow_layout_change")),
-            }
-        )
+        try:
+            command = ServeCommand.from_request(action, doc)
+        except BadCommand as exc:
+            return 400, {"ok": False, "error": str(exc)}
+        return self._enqueue(command)
 
     def handle_rollback(self, doc: Any) -> tuple[int, dict[str, Any]]:
         """Push the whole checkpoint before the last whole one again, with its weight version
@@ -381,8 +362,10 @@ class ServeLoop:
         refusal = self._not_here()
         if refusal:
             return refusal
-        if doc is not None and (not isinstance(doc, dict) or set(doc) - {"push_id"}):
-            return 400, {"ok": False, "error": 'rollback takes no fields but "push_id"'}
+        try:
+            push_id = push_id_of(doc, "rollback")
+        except BadCommand as exc:
+            return 400, {"ok": False, "error": str(exc)}
         with self._lock:
             earlier = self.status.previous()
         if earlier is None:
@@ -391,53 +374,56 @@ class ServeLoop:
                 "exit_code": int(ExitCode.INVALID_INPUT),
                 "error": "nothing to roll back to: the job has not pushed two whole checkpoints",
             }
-        return self._enqueue(
-            {**push_again(earlier, "rollback"), "push_id": (doc or {}).get("push_id")}
-        )
+        return self._enqueue(push_again(earlier, "rollback", push_id=push_id))
 
     def handle_cancel(self, doc: Any) -> tuple[int, dict[str, Any]]:
         """Give up the push a client named (its `push_id`): taken off the queue if it waits, its
         transfer ended (and the server restored) if it runs."""
-        push_id = doc.get("push_id") if isinstance(doc, dict) else None
-        if not isinstance(push_id, str) or not push_id:
+        try:
+            push_id = push_id_of(doc, "cancel")
+        except BadCommand:
+            push_id = None
+        if not push_id:
             return 400, {"ok": False, "error": 'cancel needs {"push_id": ID}'}
         with self._lock:
-            waiting = next((p for p in self._queue if p.command.get("push_id") == push_id), None)
+            waiting = next((p for p in self._queue if p.command.push_id == push_id), None)
             if waiting is not None:
                 self._queue.remove(waiting)
             running = self._running
         if waiting is not None:
+            seq = waiting.command.seq
             result = {"ok": False, "exit_code": int(ExitCode.INTERRUPTED),
-                      "error": "cancelled before it ran", "seq": waiting.command["seq"],
+                      "error": "cancelled before it ran", "seq": seq,
                       "server_weights": None}  # fmt: skip
             waiting.finish(result)
             # (logged on rank 0 alone: the other ranks never saw this push)
-            self.status.pushes.add({**waiting.command, **result, "finished_at": utc_now()})
-            return 200, {"ok": True, "cancel": "cancelled", "seq": waiting.command["seq"]}
-        if running is not None and running[0].get("push_id") == push_id:
+            logged = dataclasses.asdict(waiting.command)
+            self.status.pushes.add({**logged, **result, "finished_at": utc_now()})
+            return 200, {"ok": True, "cancel": "cancelled", "seq": seq}
+        if running is not None and running[0].push_id == push_id:
             running[1].publish_abort(ExitCode.INTERRUPTED, "cancelled by its client", request=True)
-            return 200, {"ok": True, "cancel": "cancelling", "seq": running[0]["seq"]}
+            return 200, {"ok": True, "cancel": "cancelling", "seq": running[0].seq}
         return 200, {"ok": True, "cancel": "not found"}  # already over (its answer says how)
 
-    def _enqueue(self, command: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _enqueue(self, command: ServeCommand) -> tuple[int, dict[str, Any]]:
         with self._lock:
             if self._stop_reason is not None or self.status.stopping:
                 return 503, {"ok": False, "error": "the serve job is stopping"}
             if len(self._queue) >= MAX_QUEUED:
                 return 503, {"ok": False, "error": f"{MAX_QUEUED} pushes are already waiting"}
-            command["seq"] = self._next_seq
+            seq = self._next_seq
             self._next_seq += 1
-            pending = _Pending(command)
+            pending = _Pending(dataclasses.replace(command, seq=seq))
             self._queue.append(pending)
         self._wake.set()
         # Every push before it, then its own, each bounded by the job's watchdogs.
         per_push = self.push_timeout + HARD_GRACE_S + TICK_TIMEOUT_S
-        if not pending.done.wait(per_push * (command["seq"] - self.status.commands)):
+        if not pending.done.wait(per_push * (seq - self.status.commands)):
             return 200, {
                 "ok": False,
                 "exit_code": int(ExitCode.TIMEOUT),
-                "error": f"the serve job did not finish push {command['seq']} in time",
-                "seq": command["seq"],
+                "error": f"the serve job did not finish push {seq} in time",
+                "seq": seq,
             }
         assert pending.result is not None
         return 200, pending.result
@@ -451,12 +437,12 @@ class ServeLoop:
                 self._stop_reason = reason
             running = self._running
         if running is not None:
-            if running[0]["action"] != "restore":  # (a restore leaves the server whole: it runs)
+            if running[0].action != "restore":  # (a restore leaves the server whole: it runs)
                 running[1].publish_abort(ExitCode.FAILED, f"stopped ({reason})", request=True)
             self.job.watchdog.end_at(
                 time.monotonic() + STOP_GRACE_S,
                 ExitCode.FAILED,
-                f"{reason}, but push {running[0]['seq']} did not end within {STOP_GRACE_S:g}s: "
+                f"{reason}, but push {running[0].seq} did not end within {STOP_GRACE_S:g}s: "
                 "ending the job",
             )
         self._wake.set()
@@ -485,19 +471,24 @@ class ServeLoop:
                 with self._lock:
                     pending = self._queue[0] if self._queue else None
                     stop_reason = self._stop_reason
-                data = b""
-                if pending is not None:
-                    pending.command["started_at"] = utc_now()
-                    data = json.dumps(pending.command).encode()
-                command, stop = self.channel.tick(data, stop_reason)
+                data = b"" if pending is None else self._sendable(pending)
+                data, stop = self.channel.tick(data, stop_reason)
                 if stop is not None:
                     return f"{stop[1]} (on rank {stop[0]})"
-                if command is None:
+                if not data:
                     continue
                 if pending is not None:
-                    with self._lock:
-                        self._queue.popleft()
-                merged = self._run(command)
+                    with self._lock:  # (it, not the next one: a cancel may have taken it off)
+                        if pending in self._queue:
+                            self._queue.remove(pending)
+                # Rank 0 sent only what this very parser read back (_sendable).
+                command = ServeCommand.from_json(data)
+                try:
+                    merged = self._run(command)
+                except GroupLost:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - one command's failure never ends the job
+                    merged = self._failed(command, exc)
                 if pending is not None:
                     pending.finish(merged)
         finally:
@@ -509,9 +500,33 @@ class ServeLoop:
             for p in left:
                 p.finish({"ok": False, "exit_code": int(ExitCode.FAILED),
                           "error": "the serve job stopped before this push ran",
-                          "seq": p.command["seq"]})  # fmt: skip
+                          "seq": p.command.seq})  # fmt: skip
 
-    def _run(self, command: dict[str, Any]) -> dict[str, Any]:
+    def _sendable(self, pending: _Pending) -> bytes:
+        """Rank 0: the JSON of the next command, stamped now, that every rank will read; b""
+        (and the command answered with why) in the case its own parser could not read it."""
+        try:
+            pending.command = dataclasses.replace(pending.command, started_at=utc_now())
+            data = pending.command.to_json()
+            ServeCommand.from_json(data)  # what the other ranks will do with it
+            return data
+        except Exception as exc:  # noqa: BLE001 - never sent: no rank runs it
+            with self._lock:
+                if pending in self._queue:
+                    self._queue.remove(pending)
+            pending.finish(failure_result(exc) | {"seq": pending.command.seq})
+            return b""
+
+    def _failed(self, command: ServeCommand, exc: Exception) -> dict[str, Any]:
+        """The result of a command that failed outside its push, where every rank handles the
+        results alike (merge_results on): logged as failed, and the job serves on."""
+        what = {k: getattr(command, k) for k in ("action", "seq", "restores", "push_id")}
+        merged = {**failure_result(exc), **what, "checkpoint_path": command.checkpoint_path}
+        merged.update(finished_at=utc_now(), ranks=[])
+        self.status.record(merged)
+        return merged
+
+    def _run(self, command: ServeCommand) -> dict[str, Any]:
         self.status.begin(command)
         if self.metrics is not None:
             self.metrics.busy()
@@ -519,9 +534,9 @@ class ServeLoop:
         stages = self.job.reporter.figures.stages  # (this push's: a restore starts its own)
         if merged["server_weights"] == "partial":
             self._restore(merged)
-        if command.get("trace"):
+        if command.trace:
             merged["trace"] = timeline.push_trace(
-                command["trace"], merged["ranks"], write_it=self.rank == 0
+                command.trace, merged["ranks"], write_it=self.rank == 0
             )
         self.status.record(merged)
         if self.metrics is not None:
@@ -534,7 +549,7 @@ class ServeLoop:
                 self.job.reporter.error(f"{what} failed: {merged['error']}")
         return merged
 
-    def _run_everywhere(self, command: dict[str, Any]) -> dict[str, Any]:
+    def _run_everywhere(self, command: ServeCommand) -> dict[str, Any]:
         mine = self._execute(command)
         ranks = self.channel.gather(mine, self.push_timeout + HARD_GRACE_S + TICK_TIMEOUT_S)
         # Every rank is past the command (it sent its result): nobody reads its store keys now.
@@ -551,7 +566,7 @@ class ServeLoop:
             why = "serve --no-restore" if not self.restore else "no whole push before it"
             merged["error"] += f" ({PARTIAL_WEIGHTS_NOTE}; not restored: {why})"
             return
-        restore = {**push_again(whole, "restore"), "seq": merged["seq"]}
+        restore = push_again(whole, "restore", seq=merged["seq"])
         self.status.begin(restore)
         again = self._run_everywhere(restore)
         merged["restore"] = {
@@ -570,7 +585,7 @@ class ServeLoop:
                 f"{again['error']})"
             )
 
-    def _execute(self, command: dict[str, Any]) -> dict[str, Any]:
+    def _execute(self, command: ServeCommand) -> dict[str, Any]:
         """This rank's part of one command, under its own deadline."""
         job = self.job
         assert job.coordinator is not None
@@ -578,24 +593,37 @@ class ServeLoop:
         deadline = time.monotonic() + self.push_timeout
         job.watchdog.deadline = deadline + HARD_GRACE_S
         clock = PushClock(job.watchdog, deadline, self.push_timeout)
+        # What its ranks agree on goes over the group; each waits at most until the watchdog
+        # has ended a rank that never comes (its connections close, and this one fails).
+        exchanges = Exchanges(
+            self.channel,
+            exchanges_of(command),
+            lambda: max(clock.remaining(), 0.0) + HARD_GRACE_S + TICK_TIMEOUT_S,
+        )
         push_job = Job(
-            job.launch, job.coordinator.scoped(_scope(command)), cast(Any, clock), job.reporter
+            job.launch,
+            job.coordinator.scoped(_scope(command)),
+            cast(Any, clock),
+            job.reporter,
+            exchange=exchanges,
         )
         with self._lock:
             self._running = (command, push_job.coordinator)
             stop_reason = self._stop_reason
-        if stop_reason is not None and command["action"] != "restore":
+        if stop_reason is not None and command.action != "restore":
             # A stop that came as it started: give it up at once. (A restore still runs: it
             # leaves the server whole, and the stop's grace bounds it.)
             assert push_job.coordinator is not None
             push_job.coordinator.publish_abort(
                 ExitCode.FAILED, f"stopped ({stop_reason})", request=True
             )
-        if command.get("trace"):
+        if command.trace:
             timeline.start_recording()
         started = time.perf_counter()
         try:
             result = {"ok": True, "exit_code": 0, "error": None, **self.execute(push_job, command)}
+        except GroupLost:
+            raise
         except Exception as exc:  # noqa: BLE001 - one failed push must not end the job
             # checkpoint-engine raises plain exceptions too (an assert, a pin failure); the
             # push fails with them like with ours, and every rank gives up on it.
@@ -607,40 +635,20 @@ class ServeLoop:
         if not result["ok"]:
             assert push_job.coordinator is not None
             push_job.coordinator.publish_abort(result["exit_code"], result["error"])
+        # (after the abort notice: a rank waiting in the store for this one hears of it first)
+        exchanges.finish(result["exit_code"], result["error"])
         result["rank"] = job.launch.rank
         result["wall_s"] = result["seconds"] = round(time.perf_counter() - started, 4)
-        if command.get("trace"):  # (taken out again by _run, once every rank's is in)
+        if command.trace:  # (taken out again by _run, once every rank's is in)
             result["trace_events"] = timeline.rank_events(
                 job.launch.rank, job.reporter.figures.stages, timeline.take_spans()
             )
         return result
 
 
-def _scope(command: dict[str, Any]) -> str:
+def _scope(command: ServeCommand) -> str:
     """The store scope of a command's keys: one per push (and one for the restore after it)."""
-    return f"push{command['seq']}" + ("-restore" if command["action"] == "restore" else "")
-
-
-def _check_push(doc: Any, fields: set[str] = PUSH_FIELDS) -> str | None:
-    """Why a push (or stage: its `fields`) request cannot run, or None."""
-    if not isinstance(doc, dict):
-        return 'push needs a JSON object: {"checkpoint_path": DIR, ...}'
-    unknown = sorted(set(doc) - fields)
-    if unknown:
-        return f"unknown fields {unknown}; known: {sorted(fields)}"
-    path = doc.get("checkpoint_path")
-    if not isinstance(path, str) or not path or len(path) > 4096:
-        return 'push needs {"checkpoint_path": DIR}'
-    for key in ("checkpoint_name", "weight_version", "trace"):
-        value = doc.get(key)
-        if value is not None and (not isinstance(value, str) or len(value) > 1024):
-            return f"{key} must be a string of at most 1024 characters"
-    if doc.get("trace") is not None and not doc["trace"].startswith("/"):
-        return "trace must be an absolute path"
-    for key in ("consume_shm_files", "verify", "allow_layout_change"):
-        if not isinstance(doc.get(key, False), bool):
-            return f"{key} must be true or false"
-    return None
+    return f"push{command.seq}" + ("-restore" if command.action == "restore" else "")
 
 
 def serve_loop(

@@ -15,6 +15,11 @@ watchdog ends the job only HARD_GRACE_S after it, for a stage nothing else can e
 checkpoint-engine's store barrier reuses one key (its issue #106): from the second update on
 it no longer waits for the other ranks, so a push ends with a barrier of ours under the push's
 own scope before any rank unregisters the previous checkpoint or refills its buffers.
+
+What decides what the server loads, or what a push reports, goes over the job's own group
+(commands.Exchanges), never through the store, where anyone who reaches its port can write:
+every rank's plan, with whether its stage can be sent (`exchanges_of`), and what --verify
+proves. The store carries only what can make a rank more careful (SECURITY.md lists each key).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from ckptctl.errors import (
 )
 from ckptctl.job.coordination import describe_abort
 from ckptctl.job.runner import Job
+from ckptctl.serve.commands import ServeCommand
 from ckptctl.serve.state import ServedLayout, ServeState, Staged
 from ckptctl.settings import RegisterMode, Setting
 
@@ -44,9 +50,10 @@ if TYPE_CHECKING:
     from ckptctl.job.groups import GroupAssignment
     from ckptctl.serve.state import ServeOptions
     from ckptctl.transfer.host_memory import ShareReader
+    from ckptctl.transfer.request import TransferRequest
     from ckptctl.transfer.stages import ServerRequest
 
-Executor = Any  # Callable[[Job, dict], dict] (loop.py)
+Executor = Any  # Callable[[Job, ServeCommand], dict] (loop.py)
 
 # How long after a push's deadline the job's watchdog ends the job (a stage stuck for good).
 HARD_GRACE_S = 30.0
@@ -181,19 +188,27 @@ RESTORE_SERVER_WAIT_S = 5.0
 KEPT_WHOLE = 4
 
 
-def check_layout(state: ServeState, checkpoint: Any, command: dict[str, Any]) -> None:
+def exchanges_of(command: ServeCommand) -> tuple[str, ...]:
+    """The exchanges over the job's group that every rank of `command` makes, in order
+    (commands.Exchanges): every rank's plan, with its vote on the stage (`vote_on_stage`);
+    with --verify, what each server's checker offers, then what proves the weights
+    (verification.py)."""
+    return ("plan", "verify-offers", "verify-weights") if command.verify else ("plan",)
+
+
+def check_layout(state: ServeState, checkpoint: Any, command: ServeCommand) -> None:
     """Refuse (exit 3) a checkpoint whose tensors are not those the server holds, unless the
     push allows a layout change: a server fails on a tensor of another shape in the middle of
     its update, with part of the checkpoint already taken."""
     served = state.layout
-    if served is None or command.get("allow_layout_change"):
+    if served is None or command.allow_layout_change:
         return
     from ckptctl.checkpoint.layout import layout_change
 
     change = layout_change(served.tensors, checkpoint.tensors)
     if change is not None:
         raise InvalidInput(
-            f"{command['checkpoint_path']}: its tensors are not those the server holds (from "
+            f"{command.checkpoint_path}: its tensors are not those the server holds (from "
             f"push {served.seq}): {change}; a server fails on such a push mid-update and "
             "keeps partly updated weights: push a checkpoint of the served layout, or pass "
             "--allow-layout-change (allow_layout_change=True from Python) if the server takes this one"
@@ -208,42 +223,44 @@ def gpu_executor(
 ) -> Executor:
     """One command: a push (the transfer of `update`, then the previous checkpoint is
     unregistered), or a restore / rollback, which pushes an earlier whole checkpoint again
-    (`command["restores"]`: its push's seq) if its files have not changed since."""
+    (`command.restores`: its push's seq) if its files have not changed since."""
     from ckptctl.transfer import overlap, stages
     from ckptctl.transfer.sequence import Transfer
 
     # From the second push on, a pool's buffers are handed over while they are read.
     gate = overlap.Gate(session) if state.pool is not None else None
 
-    def execute(job: Job, command: dict[str, Any]) -> dict[str, Any]:
-        action = command.get("action", "push")
+    def execute(job: Job, command: ServeCommand) -> dict[str, Any]:
+        action, seq = command.action, command.seq
         if action == "stage":
             return stage(job, command)
-        name = command.get("checkpoint_name") or f"push-{command['seq']}"
+        name = command.checkpoint_name or f"push-{seq}"
         if action != "push":
-            name = f"{name}-{action}-{command['seq']}"
+            name = f"{name}-{action}-{seq}"
         if name == state.registered:
-            name = f"{name}-{command['seq']}"  # the one being served is still registered
-        req = opts.request.for_push(command, name)
+            name = f"{name}-{seq}"  # the one being served is still registered
+        req = push_request(opts, command, name)
         mode = req.register_mode
+        sendable = [False]  # every rank voted that its stage can be sent (vote_on_stage)
 
-        def on_planned(checkpoint: Checkpoint) -> None:
+        def on_planned(checkpoint: Checkpoint, plan: Plan, share: RankPlan) -> None:
             if action != "push":
                 _check_unchanged(state, command, checkpoint)
-            # Every rank planned the same checkpoint: every rank refuses alike, before any
-            # byte moves.
+            # Every rank planned the same checkpoint (checked next, over the group): every
+            # rank refuses alike, before any byte moves.
             check_layout(state, checkpoint, command)
+            sendable[0] = vote_on_stage(job, state, command, plan, share, mode)
 
         pool = state.pool  # serve --register-mode direct: buffers kept between pushes
         staged: list[Staged] = []  # the stage this push took, if it took one
 
         def prefetch(checkpoint: Checkpoint, plan: Plan, share: RankPlan) -> ShareReader | None:
-            ahead = take_staged(job, state, command, checkpoint, share, mode)
+            ahead = take_staged(state, sendable[0])
             if ahead is not None:
                 # Read already (or still reading) into buffers of its own: the checkpoint the
                 # server holds stays registered until this one is in.
                 staged.append(ahead)
-                job.reporter.log(f"push {command['seq']}: read ahead by `stage`")
+                job.reporter.log(f"push {seq}: read ahead by `stage`")
                 return ahead.reader
             if pool is not None and mode is RegisterMode.direct and state.registered is not None:
                 # Its buffers are refilled with this checkpoint: the server already holds it,
@@ -312,7 +329,8 @@ def gpu_executor(
         checkpoint = t.checkpoint
         assert checkpoint is not None and t.plan is not None
         previous, state.registered = state.registered, name
-        served = command.get("restores", command["seq"])  # the push whose checkpoint this is
+        # The push whose checkpoint this is.
+        served = command.restores if command.restores is not None else seq
         state.layout = ServedLayout(served, checkpoint.tensors)
         if previous is not None:
             session.unregister(previous, pool)
@@ -336,7 +354,7 @@ def gpu_executor(
             "figures": job.figures(),
         }
 
-    def stage(job: Job, command: dict[str, Any]) -> dict[str, Any]:
+    def stage(job: Job, command: ServeCommand) -> dict[str, Any]:
         """`ckptctl stage`: plan the checkpoint and start reading it into buffers of its own
         (the pool's second set: one more share of pinned host memory), while the server keeps
         what it holds; the push of it that follows takes them (`take_staged`)."""
@@ -346,8 +364,9 @@ def gpu_executor(
                 "stage reads ahead into the pinned pool of serve --register-mode direct "
                 "(the default): this job registers another way"
             )
-        req = opts.request.for_push(command, f"stage-{command['seq']}")
-        checkpoint, plan, share = stages.plan_share(job, command["checkpoint_path"], req.split)
+        req = push_request(opts, command, f"stage-{command.seq}")
+        # (every rank's plan compared over the group: the "plan" exchange)
+        checkpoint, plan, share = stages.plan_share(job, command.checkpoint_path, req.split)
         check_layout(state, checkpoint, command)  # refused now, as its push would be
         state.drop_staged()  # a stage replaces the one before it
         reader = stages.prefetch_share(
@@ -360,8 +379,7 @@ def gpu_executor(
             drop_page_cache=opts.drop_page_cache,
         )
         assert reader is not None
-        path = command["checkpoint_path"]
-        state.staged = Staged(command["seq"], path, checkpoint, share, reader)
+        state.staged = Staged(command.seq, command.checkpoint_path, checkpoint, share, reader)
         state.pinned_pool_bytes = pool.pinned_bytes
         return {
             "staged": True,
@@ -375,52 +393,67 @@ def gpu_executor(
     return execute
 
 
-def take_staged(
+def push_request(opts: ServeOptions, command: ServeCommand, name: str) -> TransferRequest:
+    """The job's request with this command's checkpoint and flags."""
+    return opts.request.for_push(
+        command.checkpoint_path,
+        name,
+        weight_version=command.weight_version,
+        consume=command.consume_shm_files,
+        verify=command.verify,
+    )
+
+
+def vote_on_stage(
     job: Job,
     state: ServeState,
-    command: dict[str, Any],
-    checkpoint: Checkpoint,
+    command: ServeCommand,
+    plan: Plan,
     share: RankPlan,
     mode: RegisterMode,
-) -> Staged | None:
-    """The stage for this command, if every rank has one of the same files, unchanged since
-    they were staged (the same tensors, inodes, sizes, mtimes and ctimes), of its same share,
-    and read without an error; else it is discarded: a command that reads a checkpoint ends
-    the stage either way. The ranks agree through the store: a rank that sent staged bytes
-    while another read files changed since would push a mix of two checkpoints. Every push
-    of a pool asks (a store round trip), stage or none: a stage that failed on some ranks only
-    leaves one on the others."""
-    staged, state.staged = state.staged, None
-    usable = (
+) -> bool:
+    """Whether every rank can send the stage it holds for this command: one of the same
+    files, unchanged since they were staged (the same tensors, inodes, sizes, mtimes and ctimes), of
+    its same share, read without an error. Each rank's vote travels with its plan, over the
+    job's group (stages.check_same_plan), never through the store: a rank that sent staged
+    bytes while another read files changed since would push a mix of two checkpoints, and a
+    forged "yes" there once did exactly that. A rank's own "no" always stands."""
+    from ckptctl.transfer import stages
+
+    staged = state.staged
+    checkpoint = plan.checkpoint
+    mine = (
         staged is not None
         and mode is RegisterMode.direct
-        and command.get("action", "push") == "push"
-        and staged.checkpoint_path == command.get("checkpoint_path")
+        and command.action == "push"
+        and staged.checkpoint_path == command.checkpoint_path
         and staged.checkpoint.tensors == checkpoint.tensors
         and staged.checkpoint.file_ids == checkpoint.file_ids
         and staged.share.tensors == share.tensors
         and staged.reader.progress.error is None
     )
-    if state.pool is not None and job.coordinator is not None:  # (alike on every rank)
-        job.coordinator.publish("staged", {"usable": usable})
-        ranks = job.coordinator.collect("staged", timeout_s=max(job.watchdog.remaining(), 1.0))
-        usable = all(doc.get("usable") is True for doc in ranks)
-    if staged is None:
-        return None
-    if usable:
+    votes = stages.check_same_plan(job, plan, command.checkpoint_path, {"stage": mine})
+    return all(vote.get("stage") is True for vote in votes)
+
+
+def take_staged(state: ServeState, sendable: bool) -> Staged | None:
+    """The stage, if every rank voted it can be sent (vote_on_stage); else it is discarded:
+    a command that reads a checkpoint ends the stage either way."""
+    staged, state.staged = state.staged, None
+    if staged is None or sendable:
         return staged
     staged.discard()
     return None
 
 
-def _check_unchanged(state: ServeState, command: dict[str, Any], checkpoint: Any) -> None:
-    """A restore or rollback pushes the checkpoint of push `command["restores"]` again only if
+def _check_unchanged(state: ServeState, command: ServeCommand, checkpoint: Any) -> None:
+    """A restore or rollback pushes the checkpoint of push `command.restores` again only if
     its files are the ones that push read (exit 3 otherwise): same files, same inodes, sizes,
     mtimes and ctimes, same headers."""
     from ckptctl.checkpoint.headers import changed_since
 
-    seq = command["restores"]
-    before = state.whole.get(seq)
+    seq = command.restores
+    before = None if seq is None else state.whole.get(seq)
     if before is None:
         raise InvalidInput(
             f"push {seq}'s checkpoint cannot be pushed again: its files were consumed, or it is "

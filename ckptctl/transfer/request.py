@@ -41,12 +41,15 @@ class TransferRequest:
     timeout: float = 600.0
     timeout_setting: Setting = Setting.timeout  # what an error tells to raise (serve: per push)
 
-    def for_push(self, command: dict[str, Any], name: str) -> TransferRequest:
+    def for_push(
+        self, path: str, name: str, *, weight_version: str | None, consume: bool, verify: bool
+    ) -> TransferRequest:
         """A serve push: this job's request with the push's checkpoint and flags."""
-        path, version = command["checkpoint_path"], command.get("weight_version")
-        consume = command.get("consume_shm_files")
-        mode, split = registration(path, RegisterMode.consume if consume else self.register_mode, self.split)  # fmt: skip
-        servers = self.servers if version is None else replace(self.servers, weight_version=version)
+        mode = RegisterMode.consume if consume else self.register_mode
+        mode, split = registration(path, mode, self.split)
+        servers = self.servers
+        if weight_version is not None:
+            servers = replace(servers, weight_version=weight_version)
         return replace(
             self,
             servers=servers,
@@ -54,7 +57,7 @@ class TransferRequest:
             checkpoint_name=name,
             split=split,
             register_mode=mode,
-            verify=VERIFY if command.get("verify") else (),
+            verify=VERIFY if verify else (),
         )
 
 

@@ -44,14 +44,16 @@ class PushGuard(Protocol):
     ) -> contextlib.AbstractContextManager[None]: ...
 
 
-def check_consumable_together(job: Job, plan: Plan) -> None:
+def check_consumable_together(job: Job, plan: Plan, *, meet: bool = True) -> None:
     """--consume-shm-files: every rank checks the whole plan, and only once all of them have
     does any rank consume (pin and delete) a file: one that went ahead would delete files
-    another rank was still checking."""
+    another rank was still checking. meet: False where the ranks meet later, before anything
+    is consumed (a serve push's plan exchange)."""
     from ckptctl.checkpoint import consume
 
     consume.check_consumable(plan)
-    job.barrier("consume-checked")
+    if meet:
+        job.barrier("consume-checked")
 
 
 def failing_job(job: Job, session: ParameterServerSession) -> Callable[[int, str], None]:
@@ -82,8 +84,11 @@ class Transfer:
     group_built: bool = False  # serve: the NCCL group was built at start-up
     server_wait: float | None = None  # None: until the deadline (exit 4); else exit 1
     server_wait_setting: Setting = Setting.timeout  # what bounds that wait
-    # serve: checks of the planned checkpoint against what the job served before
-    on_planned: Callable[[Checkpoint], None] | None = None
+    # serve: checks of the planned checkpoint against what the job served before, then every
+    # rank's plan compared over the job's group (stages.check_same_plan), once every local
+    # check, --consume-shm-files' too, is done: it stands in for the store's plan check and
+    # consume barrier, which a forged key could pass
+    on_planned: Callable[[Checkpoint, Plan, RankPlan], None] | None = None
     # serve: reads the share into the job's pool; else the early reader, if any
     prefetch: Callable[[Checkpoint, Plan, RankPlan], ShareReader | None] | None = None
     # serve: registers the reader's buffers while it still fills them (True: overlap.py);
@@ -111,15 +116,15 @@ class Transfer:
         if self.metas is None:
             assert req.checkpoint_path is not None
             checkpoint, plan, share = stages.plan_share(
-                job, req.checkpoint_path, req.split, self.early
+                job, req.checkpoint_path, req.split, self.early, check=self.on_planned is None
             )
             self.checkpoint, self.plan, self.share = checkpoint, plan, share
             if self.early is not None:  # (its thread is done now that it has planned)
                 reader = self.early.reader
+            if req.register_mode is RegisterMode.consume:  # before any rank consumes a file
+                check_consumable_together(job, plan, meet=self.on_planned is None)
             if self.on_planned is not None:
-                self.on_planned(checkpoint)
-            if req.register_mode is RegisterMode.consume:
-                check_consumable_together(job, plan)  # before any rank consumes a file
+                self.on_planned(checkpoint, plan, share)
             if self.prefetch is not None:
                 reader = self.prefetch(checkpoint, plan, share)
         if self.session is None:
@@ -145,6 +150,7 @@ class Transfer:
                 req.servers.engine,
                 limit_s=self.server_wait,
                 setting=self.server_wait_setting,
+                deadline_setting=req.timeout_setting,
             )
             self.server_up = True
             if req.verify:  # before anything is pushed: exit 3 where it cannot be done

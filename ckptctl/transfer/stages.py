@@ -12,7 +12,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -112,10 +112,16 @@ class EarlyShare:
 
 
 def plan_share(
-    job: Job, checkpoint_path: str, split: str, early: EarlyShare | None = None
+    job: Job,
+    checkpoint_path: str,
+    split: str,
+    early: EarlyShare | None = None,
+    *,
+    check: bool = True,
 ) -> tuple[Checkpoint, Plan, RankPlan]:
     """(checkpoint, plan, this rank's share): every rank computes the same plan on its own
-    (already, when `early` started it before the job did)."""
+    (already, when `early` started it before the job did). check: compare every rank's plan
+    now (check_same_plan); False when the caller does, later (a serve push: transfer.py)."""
     with job.reporter.stage("split", "planning the split") as st:
         if early is not None:
             checkpoint, plan = early.wait(job.watchdog.remaining())
@@ -128,7 +134,8 @@ def plan_share(
         )
         if early is not None and early.seconds is not None:
             st.detail += f" (planned in {early.seconds:.2f}s, from the start)"
-        check_same_plan(job, plan, checkpoint_path)
+        if check:
+            check_same_plan(job, plan, checkpoint_path)
     return checkpoint, plan, share
 
 
@@ -166,25 +173,38 @@ def _fingerprint(plan: Plan) -> str:
     return digest.hexdigest()
 
 
-def check_same_plan(job: Job, plan: Plan, checkpoint_path: str) -> None:
-    """Every node plans on its own copy of the checkpoint; rank 0 checks they all agree, or a
-    tensor would be loaded twice or never (a partial copy, a stray file on one node)."""
-    if job.coordinator is None:
-        return
+def check_same_plan(
+    job: Job, plan: Plan, checkpoint_path: str, vote: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Every node plans on its own copy of the checkpoint; they must all agree, or a tensor
+    would be loaded twice or never (a partial copy, a stray file on one node).
+
+    A serve job compares them over its own group (`job.exchange`), on every rank, and every
+    rank's `vote` (what else its ranks must agree on before anything is read) travels with its
+    plan: returns every rank's document. Elsewhere rank 0 compares what each rank published in
+    the store (which anyone who reaches its port can write: SECURITY.md); returns []."""
     import socket
 
-    mine = {"fingerprint": plan_fingerprint(plan), "host": socket.gethostname()}
-    job.coordinator.publish("plan", mine)
-    if job.launch.rank != 0:
-        return
-    docs = job.coordinator.collect("plan", timeout_s=max(job.watchdog.remaining(), 1.0))
+    mine = {"fingerprint": plan_fingerprint(plan), "host": socket.gethostname(), **(vote or {})}
+    if job.exchange is not None:
+        docs = job.exchange("plan", mine)
+        first = docs[0]  # (every rank compares with rank 0, and refuses alike)
+    elif job.coordinator is None:
+        return [mine]
+    else:
+        job.coordinator.publish("plan", mine)
+        if job.launch.rank != 0:
+            return []
+        docs = job.coordinator.collect("plan", timeout_s=max(job.watchdog.remaining(), 1.0))
+        first = mine
     for rank, doc in enumerate(docs):
-        if doc["fingerprint"] != mine["fingerprint"]:
+        if doc.get("fingerprint") != first["fingerprint"]:
             raise InvalidInput(
-                f"rank {rank} (on {doc['host']}) sees a different checkpoint at "
-                f"{checkpoint_path} than rank 0 (on {mine['host']}): copy the same files to "
+                f"rank {rank} (on {doc.get('host')}) sees a different checkpoint at "
+                f"{checkpoint_path} than rank 0 (on {first['host']}): copy the same files to "
                 "every node (compare their sizes and model.safetensors.index.json)"
             )
+    return docs if job.exchange is not None else []
 
 
 def start_parameter_server(
@@ -326,14 +346,16 @@ def wait_for_server(
     *,
     limit_s: float | None = None,
     setting: Setting = Setting.timeout,
+    deadline_setting: Setting = Setting.timeout,
 ) -> None:
     """Each group leader waits until its server answers HTTP (SGLang's 503 counts); every rank
     then meets the others here, so no rank sits in checkpoint-engine's 10-minute store
     timeout while a slow server starts (--timeout may be longer).
 
-    limit_s: the longest wait (a serve push's --server-wait), which fails the push with exit 1;
-    None: until the job's deadline, which is exit 4. `setting` is what bounds the wait: named
-    from the wait's first line on, so that a wrong endpoint is no silent stall."""
+    limit_s: the longest wait (a serve push's --server-wait, `setting`), which fails the push
+    with exit 1; None, or one past the deadline: until the job's (or push's) deadline
+    (`deadline_setting`), which is exit 4. The wait names what bounds it from its first line
+    on, so that a wrong endpoint is no silent stall."""
     from ckptctl.readiness import Probe, Prober, wait_ready
 
     with job.reporter.stage("wait_server", "waiting for the inference server") as st:
@@ -341,6 +363,8 @@ def wait_for_server(
         if address is not None:  # (the leader)
             remaining = max(job.watchdog.remaining(), 0.0)
             limit = remaining if limit_s is None else min(limit_s, remaining)
+            if limit_s is None or limit_s >= remaining:
+                setting = deadline_setting  # (the deadline comes first)
             said = [-1.0]  # (when the last line was written: none yet)
 
             def on_attempt(probe: Probe, attempts: int, elapsed: float) -> None:

@@ -8,7 +8,8 @@ hold (the HTTP contract and the hashing are in ckptctl/weights_checker.py).
       ... push ...
     check_weights     after the push: compare_checksum / per-engine agreement / compare
 
-Only group leaders talk to servers; the job's store carries the rest (`_share`).
+Only group leaders talk to servers; the rest travels between the ranks (`_share`): over a
+serve job's own group, else through the job's store.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def _checker(job: Job, assignment: GroupAssignment) -> Any:
 
 
 def _share(job: Job, key: str, doc: dict[str, Any], *, wanted: bool = True) -> list[dict[str, Any]]:
-    """Every rank's `doc` (in rank order) where `wanted`; every rank must call it."""
+    """Every rank's `doc` (in rank order) where `wanted`; every rank must call it. A serve
+    push's go over its group: what they prove is what the push reports."""
+    if job.exchange is not None:
+        return job.exchange(key, doc)
     if job.coordinator is None:
         return [doc]
     job.coordinator.publish(key, doc)
@@ -148,7 +152,7 @@ def _check_sha256(
     waited = time.perf_counter()
     mine = hasher.result(timeout=job.watchdog.remaining())
     waited = time.perf_counter() - waited
-    docs = _share(job, "verify-sha256", {"sha256": mine}, wanted=assignment.is_leader)
+    docs = _share(job, "verify-weights", {"sha256": mine}, wanted=assignment.is_leader)
     details = verification.details
     details.update(
         hash_seconds=round(hasher.seconds, 4),
@@ -187,7 +191,7 @@ def _check_agreement(job: Job, assignment: GroupAssignment, verification: Verifi
         answer = checker.require(CHECKSUM)
         report = parse_checksums(answer.doc or {}, checker.where)
         mine = {"where": checker.where, "report": report.as_json()}
-    docs = [d for d in _share(job, "verify-checksums", mine, wanted=job.launch.rank == 0) if d]
+    docs = [d for d in _share(job, "verify-weights", mine, wanted=job.launch.rank == 0) if d]
     if job.launch.rank != 0:
         return "checksums sent to rank 0" if mine else ""
     reports = [(d["where"], EngineChecksums.from_json(d["report"])) for d in docs]

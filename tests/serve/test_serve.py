@@ -58,18 +58,29 @@ def test_push_status_and_a_failed_push_in_between(short_tmp: Path) -> None:
         assert boom.returncode == 1, boom.stderr
         assert "RuntimeError: injected" in boom.stderr
 
+        # Issue 34: any failure of one command, where it runs or around it, is that command's
+        # result; the job serves on.
+        unmerged = run_script(
+            "push", "--control-socket", sock, "--checkpoint-path", str(TINY),
+            "--checkpoint-name", "unmerged", "--json", timeout=60,
+        )  # fmt: skip
+        assert unmerged.returncode == 1, unmerged.stderr
+        failed = json.loads(unmerged.stdout)
+        assert failed["seq"] == 4 and failed["action"] == "push", failed
+        assert failed["error"] == "RuntimeError: injected: the loop's own bookkeeping failed"
+
         again = run_script(
             "push", "--control-socket", sock, "--checkpoint-path", str(TINY), timeout=60
         )
         assert again.returncode == 0, again.stderr  # the job is still usable
-        assert again.stdout.startswith(f"pushed {TINY.resolve()} (push 4, "), again.stdout
+        assert again.stdout.startswith(f"pushed {TINY.resolve()} (push 5, "), again.stdout
         assert doc["wall_s"] == doc["seconds"] > 0
 
         status = run_script("status", "--control-socket", sock, "--json", timeout=30)
         assert status.returncode == 0
         st = json.loads(status.stdout)
-        assert st["state"] == "idle" and st["commands"] == 4 and st["world_size"] == 2
-        assert st["last"]["ok"] and st["last"]["seq"] == 4
+        assert st["state"] == "idle" and st["commands"] == 5 and st["world_size"] == 2
+        assert st["last"]["ok"] and st["last"]["seq"] == 5 and st["failed"] == 3
 
         stop = run_script("stop", "--control-socket", sock, timeout=30)
         assert stop.returncode == 0, stop.stderr

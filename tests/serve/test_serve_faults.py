@@ -180,6 +180,30 @@ def test_a_push_refused_mid_way_is_followed_by_a_restore_of_the_last_whole_push(
         stop(job, sock)
 
 
+def test_a_restore_is_refused_when_the_last_whole_push_changed_on_disk(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    """Issue 33 item 9: the restore after a push that failed part-way pushes the last whole
+    checkpoint again only if its files are those it pushed; rewritten since, nothing is sent,
+    and the server is said to hold a mix."""
+    first = tmp_path / "first"
+    shutil.copytree(TINY, first)
+    with serve_job(short_tmp) as (site, job, sock):
+        assert push(sock, "--weight-version", "v1", path=first)[0] == 0
+        shard = next(first.glob("*.safetensors"))
+        os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+        site.workers.fail_at_bucket = 2
+        updates = site.workers.updates
+        code, doc, err = push(sock, "--weight-version", "v2")
+        assert code == 1, err
+        assert doc["server_weights"] == "partial" and doc["restore"]["ok"] is False, doc
+        assert f"{shard.name} was rewritten" in doc["restore"]["error"], doc["restore"]
+        assert "whole again" not in doc["error"] and "the restore of push 1 failed" in doc["error"]
+        assert site.workers.updates == updates + 1  # the failed push; the restore sent nothing
+        assert status(sock)["server_weights"] == "partial"
+        stop(job, sock)
+
+
 def test_no_restore_leaves_the_server_partial_and_says_so(short_tmp: Path) -> None:
     with serve_job(short_tmp, "--no-restore") as (site, job, sock):
         assert push(sock)[0] == 0
@@ -315,8 +339,9 @@ def test_ctrl_c_on_a_push_before_it_sent_anything_says_the_weights_are_unchanged
 def test_rollback_pushes_the_previous_whole_checkpoint_unless_it_changed(
     short_tmp: Path, tmp_path: Path
 ) -> None:
-    first = tmp_path / "first"
+    first, third = tmp_path / "first", tmp_path / "third"
     shutil.copytree(TINY, first)
+    shutil.copytree(TINY, third)
     with serve_job(short_tmp) as (site, job, sock):
         refused = run_script("rollback", "--control-socket", sock, "--json", timeout=60)
         assert refused.returncode == 3, refused.stderr
@@ -324,16 +349,19 @@ def test_rollback_pushes_the_previous_whole_checkpoint_unless_it_changed(
 
         assert push(sock, "--weight-version", "v1", path=first)[0] == 0
         assert push(sock, "--weight-version", "v2")[0] == 0
-        back = run_script("rollback", "--control-socket", sock, "--json", timeout=120)
-        assert back.returncode == 0, back.stderr
-        doc = json.loads(back.stdout)
-        assert doc["restores"] == 1 and doc["checkpoint_path"] == str(first)
-        assert site.behaviour.weight_version == "v1"
-        assert status(sock)["weights"]["seq"] == 1
+        assert push(sock, "--weight-version", "v3", path=third)[0] == 0
+        # Each rollback goes one whole push further back: 3 -> 2 -> 1.
+        for seq, path, version in ((2, TINY, "v2"), (1, first, "v1")):
+            back = run_script("rollback", "--control-socket", sock, "--json", timeout=120)
+            assert back.returncode == 0, back.stderr
+            doc = json.loads(back.stdout)
+            assert doc["restores"] == seq and doc["checkpoint_path"] == str(path), doc
+            assert site.behaviour.weight_version == version
+            assert status(sock)["weights"]["seq"] == seq
 
         # Pushed again, then changed on disk: a rollback to it is refused before anything moves,
         # also when the change kept the file's inode, size and mtime (only its ctime tells).
-        assert push(sock, "--weight-version", "v3")[0] == 0
+        assert push(sock, "--weight-version", "v4")[0] == 0
         shard = next(first.glob("*.safetensors"))
         rewrite_in_place_setting_the_mtime_back(shard)
         updates = site.workers.updates
@@ -341,7 +369,7 @@ def test_rollback_pushes_the_previous_whole_checkpoint_unless_it_changed(
         assert changed.returncode == 3, changed.stderr
         assert f"{shard.name} was rewritten" in json.loads(changed.stdout)["error"]
         assert site.workers.updates == updates  # nothing was sent
-        assert site.behaviour.weight_version == "v3"
+        assert site.behaviour.weight_version == "v4"
         stop(job, sock)
 
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import shutil
 import struct
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,6 +75,7 @@ class Job:
     def __init__(self, workers: ZmqWorkers, sock: str, flags: Path) -> None:
         self.workers, self.sock, self.flags = workers, sock, flags
         self.pushing: Path | None = None  # what the server's weights checker expects next
+        self.proc: subprocess.Popen[str] | None = None  # torchrun
 
     def hold(
         self,
@@ -110,11 +112,18 @@ class Job:
 
 @contextmanager
 def serving(
-    short_tmp: Path, tmp_path: Path, first: Path, checker: bool = False, restore: bool = False
+    short_tmp: Path,
+    tmp_path: Path,
+    first: Path,
+    checker: bool = False,
+    restore: bool = False,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Job]:
     """A serve job whose first push (of `first`, checked bit for bit) pinned its pool; with
     `checker`, its TP2 server answers SGLang's weights checker with what `job.pushing` holds;
-    with `restore`, a push that fails part-way is followed by a restore (serve's default)."""
+    with `restore`, a push that fails part-way is followed by a restore (serve's default);
+    `port`: torchrun's (its store's), else a free one; `env`: more for the ranks."""
     flags = tmp_path / "flags"
     ipc = tmp_path / "ipc"
     flags.mkdir()
@@ -130,6 +139,7 @@ def serving(
 
     behaviour.on_update = on_update
     env = {
+        **(env or {}),
         "CPU_PS_TRANSFER": "zmq",
         "CPU_PS_COPY": str(ipc),
         "CPU_PS_BUCKET_BYTES": str(64 << 10),
@@ -139,8 +149,8 @@ def serving(
         FakeServer(behaviour) as server,
         cpu_serve_job(
             server.endpoint, "--control-socket", sock, "--push-timeout", "120",
-            "--read-threads", "1", *([] if restore else ["--no-restore"]), env=env,
-        ),
+            "--read-threads", "1", *([] if restore else ["--no-restore"]), env=env, port=port,
+        ) as job.proc,
     ):  # fmt: skip
         try:
             assert wait_for_path(sock), "the serve job did not open its control socket"

@@ -36,6 +36,8 @@ What the stand-in can be told to do:
   appends a line {"held": X, "released": true|false} to DIR/holds.
 - CPU_PS_PLAN_LATE=1: the plan made (and share read) early, from the command's start, is done
   only once the job asks for it (a busy machine's order of events).
+- CPU_PS_NODE_COPY=SRC:DST[,SRC:DST...]: every rank but rank 0 stands on another node, whose
+  copy of the checkpoint SRC is the folder DST (a copy that differs, or none at all).
 """
 
 from __future__ import annotations
@@ -505,6 +507,16 @@ if __name__ == "__main__":
 
         stages_module.read_and_plan = late_read_and_plan  # type: ignore[assignment]
         stages_module.plan_share = asking_plan_share  # type: ignore[assignment]
+    if os.environ.get("CPU_PS_NODE_COPY") and os.environ.get("RANK", "0") != "0":
+        import ckptctl.transfer.stages as stages_module
+
+        copies = dict(pair.split(":") for pair in os.environ["CPU_PS_NODE_COPY"].split(","))
+        plan_here = stages_module.read_and_plan
+
+        def plan_node_copy(path: str, *args: Any) -> Any:
+            return plan_here(copies.get(path, path), *args)
+
+        stages_module.read_and_plan = plan_node_copy  # type: ignore[assignment]
     sys.argv = ["ckptctl", *sys.argv[1:]]
     from ckptctl.cli import main
 

@@ -6,6 +6,9 @@ left out - each push plans the checkpoint for real and meets the other ranks.
 
 SERVE_RANK_LOG=F: each rank appends one line per push it runs to F.<rank> (what it ran);
 SERVE_RANK_PIDS=DIR: each rank writes its pid to DIR/<rank> (to signal one rank).
+
+A push named "boom" fails on rank 1 with a plain exception (as checkpoint-engine's); one named
+"unmerged" fails where every rank merges the results, after the push (a bug of the loop's).
 """
 
 from __future__ import annotations
@@ -18,23 +21,37 @@ from ckptctl.job.coordination import Coordinator, Watchdog
 from ckptctl.job.runner import Job
 from ckptctl.launch import launch_info
 from ckptctl.progress import Reporter
+from ckptctl.serve.commands import ServeCommand
 from ckptctl.serve.loop import serve_loop
 from ckptctl.transfer import stages
 
 
-def execute(job: Job, command: dict) -> dict:
+def execute(job: Job, command: ServeCommand) -> dict:
     log = os.environ.get("SERVE_RANK_LOG")
     if log:
         with open(f"{log}.{job.launch.rank}", "a") as fh:
-            fh.write(json.dumps({k: command.get(k) for k in ("seq", "checkpoint_name")}) + "\n")
-    _, plan, share = stages.plan_share(job, command["checkpoint_path"], "auto")
-    if command.get("checkpoint_name") == "boom" and job.launch.rank == 1:
+            fh.write(
+                json.dumps({"seq": command.seq, "checkpoint_name": command.checkpoint_name}) + "\n"
+            )
+    # (every rank's plan compared over the job's group: the command's one exchange)
+    _, plan, share = stages.plan_share(job, command.checkpoint_path, "auto")
+    if command.checkpoint_name == "boom" and job.launch.rank == 1:
         raise RuntimeError("injected: not one of ckptctl's errors")  # as checkpoint-engine's
     job.barrier("pushed")  # stands in for the collective update
-    return {"checkpoint_name": command.get("checkpoint_name"), "tensors": len(share.tensors)}
+    return {"checkpoint_name": command.checkpoint_name, "tensors": len(share.tensors)}
 
 
 def main(control_socket: str) -> None:
+    import ckptctl.serve.loop as loop_module
+
+    merge_results = loop_module.merge_results
+
+    def failing_merge(command: ServeCommand, ranks: list) -> dict:
+        if command.checkpoint_name == "unmerged":
+            raise RuntimeError("injected: the loop's own bookkeeping failed")
+        return merge_results(command, ranks)
+
+    loop_module.merge_results = failing_merge  # type: ignore[assignment]
     launch = launch_info()
     pids = os.environ.get("SERVE_RANK_PIDS")
     if pids:

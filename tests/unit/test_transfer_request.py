@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from ckptctl.errors import CkptctlError, ExitCode
-from ckptctl.settings import P2P, ROUND_TRIP, VERIFY, RegisterMode, UpdateMethod, Verify
+from ckptctl.settings import P2P, ROUND_TRIP, VERIFY, RegisterMode, Setting, UpdateMethod, Verify
 from ckptctl.transfer.request import (
     check_join_p2p,
     check_update_flags,
@@ -177,20 +177,15 @@ def test_join_needs_the_p2p_store() -> None:
 
 
 def test_a_serve_push_takes_its_own_checkpoint_and_flags() -> None:
-    job = resolve(SERVER, weight_version=None, timeout=60, timeout_flag="serve --push-timeout")
-    command = {
-        "checkpoint_path": "/dev/shm/ckptctl-request-test",
-        "consume_shm_files": True,
-        "weight_version": "v2",
-        "verify": True,
-    }
-    push = job.for_push(command, "push-3")
+    job = resolve(SERVER, weight_version=None, timeout=60, timeout_setting=Setting.push_timeout)
+    flags = {"weight_version": "v2", "consume": True, "verify": True}
+    push = job.for_push("/dev/shm/ckptctl-request-test", "push-3", **flags)
     assert push.register_mode is RegisterMode.consume and push.split == "files"
     assert push.servers.weight_version == "v2" and push.verify == VERIFY
-    assert push.checkpoint_name == "push-3" and push.timeout_flag == "serve --push-timeout"
+    assert push.checkpoint_name == "push-3" and push.timeout_setting is Setting.push_timeout
     assert job.servers.weight_version is None and job.register_mode is RegisterMode.direct
     with pytest.raises(CkptctlError) as info:
-        job.for_push({**command, "checkpoint_path": "/tmp/ckpt"}, "push-4")
+        job.for_push("/tmp/ckpt", "push-4", **flags)
     assert info.value.exit_code == ExitCode.USAGE
 
 
