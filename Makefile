@@ -2,11 +2,12 @@
 #   make demo   - create .venv, install ckptctl; with a GPU, push the example checkpoint into the
 #                 bundled stand-in server (examples/demo.py); without one, show the dry run
 #   make test   - create .venv, install ckptctl with test extras, run the test suite
+# (make docs regenerates docs/cli.md from the CLI's help; make completions the shell scripts)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint completions
+.PHONY: setup demo test lint completions docs
 
 setup: $(VENV)/.installed
 
@@ -34,3 +35,6 @@ lint: setup
 
 completions: setup
 	$(BIN)/python completions/generate.py
+
+docs: setup
+	$(BIN)/python docs/generate_cli.py
