@@ -43,6 +43,8 @@ from ckptctl.job.runner import Job
 from ckptctl.serve.commands import ServeCommand
 from ckptctl.serve.state import ServedLayout, ServeState, Staged
 from ckptctl.settings import RegisterMode, Setting
+from ckptctl.transfer import stages
+from ckptctl.transfer.registration import Registration, for_request
 
 if TYPE_CHECKING:
     from ckptctl.ce import ParameterServerSession
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from ckptctl.job.groups import GroupAssignment
     from ckptctl.serve.state import ServeOptions
     from ckptctl.transfer.host_memory import ShareReader
+    from ckptctl.transfer.overlap import OverlappedRead
     from ckptctl.transfer.request import TransferRequest
     from ckptctl.transfer.stages import ServerRequest
 
@@ -215,6 +218,85 @@ def check_layout(state: ServeState, checkpoint: Any, command: ServeCommand) -> N
         )
 
 
+class ServePush(Registration):
+    """A serve push's registration, around the way the job's mode asks for (`inner`):
+
+    - prepare: the checks of what the job served before (the layout; a restore's files
+      unchanged since), the inner way's own (--consume-shm-files'), then every rank's plan
+      with its vote on the stage, over the job's group (vote_on_stage: the store decides
+      nothing); then the read: the stage's buffers, where every rank can send its stage; else
+      the job's pinned pool, refilled; else the inner way's;
+    - register: the pool's buffers while the reader still fills them (overlap.py), from its
+      second push on; else as the inner way registers.
+    """
+
+    def __init__(
+        self,
+        inner: Registration,
+        state: ServeState,
+        command: ServeCommand,
+        session: ParameterServerSession,
+        req: TransferRequest,
+        opts: ServeOptions,
+        read: OverlappedRead | None,
+    ) -> None:
+        super().__init__()
+        self.inner, self.state, self.command = inner, state, command
+        self.session, self.req, self.opts, self.read = session, req, opts, read
+        self.staged: Staged | None = None  # the stage this push took, if it took one
+
+    def plan(self, job: Job, req: TransferRequest) -> tuple[Checkpoint, Plan, RankPlan]:
+        # (every rank's plan is compared over the job's group in prepare, with its vote)
+        return stages.plan_share(job, self.command.checkpoint_path, req.split, check=False)
+
+    def prepare(
+        self, job: Job, checkpoint: Checkpoint, plan: Plan, share: RankPlan
+    ) -> ShareReader | None:
+        state, command, inner = self.state, self.command, self.inner
+        inner.check(job, plan, meet=False)  # (the ranks meet in the plan exchange)
+        if command.action != "push":
+            _check_unchanged(state, command, checkpoint)
+        # Every rank planned the same checkpoint (checked next, over the group): every rank
+        # refuses alike, before any byte moves.
+        check_layout(state, checkpoint, command)
+        sendable = vote_on_stage(job, state, command, plan, share, inner.reads_ahead)
+        self.staged = take_staged(state, sendable)
+        if self.staged is not None:
+            # Read already (or still reading) into buffers of its own: the checkpoint the
+            # server holds stays registered until this one is in.
+            job.reporter.log(f"push {command.seq}: read ahead by `stage`")
+            return self.staged.reader
+        pool = state.pool
+        if pool is not None and inner.reads_ahead and state.registered is not None:
+            # Its buffers are refilled with this checkpoint: the server already holds it, and
+            # without p2p nobody reads it from here any more (every rank passed the previous
+            # push's closing barrier).
+            self.session.unregister(state.registered, pool)
+            state.registered = None
+        return stages.prefetch_share(
+            checkpoint,
+            share,
+            inner.mode,
+            pool,
+            plan=plan,
+            read_threads=self.req.read_threads,
+            reporter=job.reporter,
+            drop_page_cache=self.opts.drop_page_cache,
+        )
+
+    def register(
+        self,
+        job: Job,
+        session: ParameterServerSession,
+        name: str,
+        checkpoint: Checkpoint,
+        share: RankPlan,
+        reader: ShareReader | None,
+    ) -> None:
+        if self.read is None or reader is None or not self.read.register(name, reader):
+            self.inner.register(job, session, name, checkpoint, share, reader)
+
+
 def gpu_executor(
     opts: ServeOptions,
     session: ParameterServerSession,
@@ -224,7 +306,7 @@ def gpu_executor(
     """One command: a push (the transfer of `update`, then the previous checkpoint is
     unregistered), or a restore / rollback, which pushes an earlier whole checkpoint again
     (`command.restores`: its push's seq) if its files have not changed since."""
-    from ckptctl.transfer import overlap, stages
+    from ckptctl.transfer import overlap
     from ckptctl.transfer.sequence import Transfer
 
     # From the second push on, a pool's buffers are handed over while they are read.
@@ -240,44 +322,8 @@ def gpu_executor(
         if name == state.registered:
             name = f"{name}-{seq}"  # the one being served is still registered
         req = push_request(opts, command, name)
-        mode = req.register_mode
-        sendable = [False]  # every rank voted that its stage can be sent (vote_on_stage)
-
-        def on_planned(checkpoint: Checkpoint, plan: Plan, share: RankPlan) -> None:
-            if action != "push":
-                _check_unchanged(state, command, checkpoint)
-            # Every rank planned the same checkpoint (checked next, over the group): every
-            # rank refuses alike, before any byte moves.
-            check_layout(state, checkpoint, command)
-            sendable[0] = vote_on_stage(job, state, command, plan, share, mode)
-
+        inner = for_request(req)  # how the job's mode (or this push's) registers
         pool = state.pool  # serve --register-mode direct: buffers kept between pushes
-        staged: list[Staged] = []  # the stage this push took, if it took one
-
-        def prefetch(checkpoint: Checkpoint, plan: Plan, share: RankPlan) -> ShareReader | None:
-            ahead = take_staged(state, sendable[0])
-            if ahead is not None:
-                # Read already (or still reading) into buffers of its own: the checkpoint the
-                # server holds stays registered until this one is in.
-                staged.append(ahead)
-                job.reporter.log(f"push {seq}: read ahead by `stage`")
-                return ahead.reader
-            if pool is not None and mode is RegisterMode.direct and state.registered is not None:
-                # Its buffers are refilled with this checkpoint: the server already holds it,
-                # and without p2p nobody reads it from here any more (every rank passed the
-                # previous push's closing barrier).
-                session.unregister(state.registered, pool)
-                state.registered = None
-            return stages.prefetch_share(
-                checkpoint,
-                share,
-                mode,
-                pool,
-                plan=plan,
-                read_threads=req.read_threads,
-                reporter=job.reporter,
-                drop_page_cache=opts.drop_page_cache,
-            )
 
         # The first push may wait --server-start-wait for a server that is starting; later
         # ones --server-wait: a server that is down fails the push, not the job.
@@ -289,19 +335,18 @@ def gpu_executor(
             wait, bound = opts.server_start_wait, Setting.server_start_wait
         guard = PushFailure(job, session)
         read = None
-        if gate is not None and mode is RegisterMode.direct:
+        if gate is not None and inner.reads_ahead:
             read = overlap.OverlappedRead(job, session, gate, guard)
+        way = ServePush(inner, state, command, session, req, opts, read)
         t = Transfer(
             job,
             req,
             assignment,
+            way,
             session=session,
             group_built=True,
             server_wait=wait,
             server_wait_setting=bound,
-            on_planned=on_planned,
-            prefetch=prefetch,
-            register_early=None if read is None else read.register,
             guard=guard,
         )
         try:
@@ -317,8 +362,8 @@ def gpu_executor(
                 read.stop()
             if t.registered:
                 session.unregister(name, pool)
-            elif staged:
-                staged[0].discard()
+            elif way.staged is not None:
+                way.staged.discard()
             # (read by failure_result; no bucket announced: the server kept its weights)
             if t.transfer_began and session.workers_connected() and session.buckets_announced():
                 exc.server_weights = "partial"  # type: ignore[attr-defined]
@@ -334,18 +379,18 @@ def gpu_executor(
         state.layout = ServedLayout(served, checkpoint.tensors)
         if previous is not None:
             session.unregister(previous, pool)
-        if pool is not None and mode is RegisterMode.consume:
+        if pool is not None and inner.consumes:
             pool.trim()  # the consumed files hold this push: unpin what the pool kept idle
         if pool is not None:
             state.pinned_pool_bytes = pool.pinned_bytes  # (read by status)
-        if mode is not RegisterMode.consume:  # consumed files are gone: nothing to push again
+        if not inner.consumes:  # consumed files are gone: nothing to push again
             whole = state.whole
             whole[served] = checkpoint
             for old in sorted(whole)[:-KEPT_WHOLE]:
                 del whole[old]
         return {
             "checkpoint_name": name,
-            "staged": bool(staged),  # read ahead by `ckptctl stage`
+            "staged": way.staged is not None,  # read ahead by `ckptctl stage`
             "split": t.plan.split,
             "total_bytes": checkpoint.total_bytes,
             "tensor_count": len(checkpoint.tensors),  # the whole checkpoint's, as in update
@@ -410,7 +455,7 @@ def vote_on_stage(
     command: ServeCommand,
     plan: Plan,
     share: RankPlan,
-    mode: RegisterMode,
+    reads_ahead: bool,
 ) -> bool:
     """Whether every rank can send the stage it holds for this command: one of the same
     files, unchanged since they were staged (the same tensors, inodes, sizes, mtimes and ctimes), of
@@ -418,13 +463,11 @@ def vote_on_stage(
     job's group (stages.check_same_plan), never through the store: a rank that sent staged
     bytes while another read files changed since would push a mix of two checkpoints, and a
     forged "yes" there once did exactly that. A rank's own "no" always stands."""
-    from ckptctl.transfer import stages
-
     staged = state.staged
     checkpoint = plan.checkpoint
     mine = (
         staged is not None
-        and mode is RegisterMode.direct
+        and reads_ahead  # (a stage is read into buffers of its own: direct registration)
         and command.action == "push"
         and staged.checkpoint_path == command.checkpoint_path
         and staged.checkpoint.tensors == checkpoint.tensors

@@ -17,7 +17,7 @@ from ckptctl.errors import InvalidInput
 from ckptctl.job.runner import Job, prepare_environment, run_job
 from ckptctl.progress import Reporter
 from ckptctl.settings import P2P
-from ckptctl.transfer import stages
+from ckptctl.transfer import registration, stages
 from ckptctl.transfer.request import TransferRequest, check_join_p2p
 from ckptctl.transfer.sequence import Transfer
 
@@ -45,7 +45,8 @@ def run_save_metas(
     )
 
     def body(job: Job) -> dict[str, Any]:
-        t = Transfer(job, req, None, p2p=p2p, early=early, save_metas_file=opts.metas_file).run()
+        way = registration.for_request(req, early)
+        t = Transfer(job, req, None, way, p2p=p2p, save_metas_file=opts.metas_file).run()
         assert t.checkpoint is not None and t.plan is not None and t.session is not None
         session = t.session
         ranks = job.gather_figures(job.figures())
@@ -103,7 +104,8 @@ def run_join(opts: JoinOptions, reporter: Reporter, *, debug: bool = False) -> d
 
     def body(job: Job) -> dict[str, Any]:
         # Our own pool stays empty: gather_metas gathers nothing, load_metas brings theirs.
-        t = Transfer(job, req, assignment, p2p=P2P.required, metas=metas_file.metas).run()
+        way = registration.FromMetas(metas_file.metas)
+        t = Transfer(job, req, assignment, way, p2p=P2P.required).run()
         return {
             "ok": True,
             "metas_file": opts.load_metas_file,

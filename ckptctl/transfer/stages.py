@@ -1,6 +1,6 @@
 """The stages the GPU commands are built from, each timed and shown by the job's reporter.
 
-plan_share → start_parameter_server → register_share → wait_for_server → build_group
+plan_share → start_parameter_server → (registration.py) → wait_for_server → build_group
 → gather_metas → push → verify_weight_version, in the order transfer.py runs them;
 hold_for_joiners keeps the weights up for joiners (save-metas, --sleep-time).
 """
@@ -267,49 +267,6 @@ def prefetch_share(
         on_read=on_read,
         drop_page_cache=drop_page_cache,
     )
-
-
-def register_share(
-    job: Job,
-    session: ParameterServerSession,
-    name: str,
-    checkpoint: Checkpoint,
-    share: RankPlan,
-    mode: RegisterMode = RegisterMode.engine,
-    prefetched: ShareReader | None = None,
-) -> None:
-    """engine: checkpoint-engine copies views of the file mapping into pinned buffers it
-    allocates; direct: `prefetched` (prefetch_share) preads into buffers pinned in place."""
-    label = "loading the shares"  # (short: the live view adds ", N ranks" at 80 columns)
-    with job.reporter.stage("register", label, nbytes=share.bytes, node_wide=True) as st:
-        st.detail = f"{mode} registration"
-        if mode == RegisterMode.engine:
-            # checkpoint-engine copies out of the file mappings itself, with no hook: the
-            # pages of the mappings it has touched so far are the bytes it has copied.
-            st.done.track(file_pages_mapped_since_now())
-        if mode == RegisterMode.consume:
-            # checkpoint-engine pins /dev/shm files in place and deletes them (asked for with
-            # --consume-shm-files): whole files only, so the split must be by files.
-            session.register_files(name, [str(checkpoint.path_of(f)) for f in share.files])
-            return
-        if mode == RegisterMode.direct:
-            reader = prefetched
-            assert reader is not None  # (prefetch_share, started before this stage)
-            session.register_buffers(name, reader.result())
-            # Read and pinned in a thread since before this stage: its time is the wait.
-            st.background = {"read": reader.read_seconds or 0.0, "pin": reader.pin_seconds or 0.0}
-            st.background_started = reader.started_at  # (--trace)
-            st.detail += (
-                f" ({reader.threads} reader thread{'' if reader.threads == 1 else 's'}"
-                f"{', pinned through the driver' if reader.pinned_by_driver else ''}"
-                f"{', before torch' if reader.pinned_before_torch else ''})"
-            )
-            return
-        from ckptctl.checkpoint import load_rank_tensors
-
-        tensors = load_rank_tensors(checkpoint, share)
-        session.register(name, tensors)
-        del tensors  # views of the file mapping: drop them so the pages can go
 
 
 def file_pages_mapped_since_now() -> Callable[[], int]:

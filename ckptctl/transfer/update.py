@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptctl.job.runner import Job, prepare_environment, run_job
 from ckptctl.progress import Reporter
-from ckptctl.transfer import stages
+from ckptctl.transfer import registration, stages
 from ckptctl.transfer.request import TransferRequest, p2p_for_update
 from ckptctl.transfer.sequence import Transfer
 
@@ -46,9 +46,9 @@ def run_update(opts: UpdateOptions, reporter: Reporter, *, debug: bool = False) 
     )
 
     def body(job: Job) -> dict[str, Any]:
-        t = Transfer(
-            job, req, assignment, p2p=p2p, early=early, save_metas_file=opts.save_metas_file
-        ).run()
+        way = registration.for_request(req, early)
+        t = Transfer(job, req, assignment, way, p2p=p2p, save_metas_file=opts.save_metas_file)
+        t.run()
         assert t.checkpoint is not None and t.plan is not None and t.session is not None
         wall = job.elapsed()
         ranks = job.gather_figures(
