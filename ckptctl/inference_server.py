@@ -27,8 +27,8 @@ from ckptctl.settings import ServerKind
 
 
 @dataclass(frozen=True)
-class EngineContract:
-    """The endpoints of one engine that ckptctl uses."""
+class ServerContract:
+    """The endpoints of one kind of server that ckptctl uses."""
 
     name: ServerKind
     listening_path: str  # any HTTP answer here means the server is up
@@ -37,16 +37,16 @@ class EngineContract:
     weight_version_paths: tuple[str, ...]
 
 
-CONTRACTS: dict[ServerKind, EngineContract] = {
+CONTRACTS: dict[ServerKind, ServerContract] = {
     # SGLang 0.5.23 answers /ping with 503 until its first weights arrive: still "listening".
-    ServerKind.sglang: EngineContract(
+    ServerKind.sglang: ServerContract(
         ServerKind.sglang,
         "/ping",
         "/health",
         ("/model_info", "/get_weight_version", "/get_model_info"),
     ),
     # vLLM's /health ignores weights entirely; it has no weight version to read back.
-    ServerKind.vllm: EngineContract(ServerKind.vllm, "/health", "/health", ()),
+    ServerKind.vllm: ServerContract(ServerKind.vllm, "/health", "/health", ()),
 }
 
 

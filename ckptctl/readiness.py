@@ -21,8 +21,8 @@ from ckptctl.bounded_http import deadline
 from ckptctl.errors import OperationFailed
 from ckptctl.inference_server import (
     CONTRACTS,
-    EngineContract,
     ServerAddress,
+    ServerContract,
     auth_headers,
     describe_failure,
     make_client,
@@ -68,7 +68,7 @@ class WaitResult:
 
 
 def read_weight_version(
-    client: httpx.Client, contract: EngineContract, headers: dict[str, str] | None = None
+    client: httpx.Client, contract: ServerContract, headers: dict[str, str] | None = None
 ) -> tuple[str | None, str]:
     """(version, status) from the first endpoint this server version has; version None if unread.
     headers: added to each request (the API key, for a client that does not send it)."""

@@ -67,12 +67,12 @@ class Verify(Word):
     """A way to prove what the servers hold (the words of a result's `"verified"`)."""
 
     checksum = "checksum"  # the SHA-256 of every tensor (compare_checksum)
-    per_engine = "per-engine"  # the same per-engine checksum on every server
+    per_server = "per-engine"  # every server the same checksum (SGLang's per-engine one)
     round_trip = "round-trip"  # snapshot, reset_tensors, update, compare
 
 
 # What each flag accepts, strongest first: the servers' offers decide among them.
-VERIFY = (Verify.checksum, Verify.per_engine)  # --verify
+VERIFY = (Verify.checksum, Verify.per_server)  # --verify
 ROUND_TRIP = (Verify.round_trip,)  # --verify-round-trip
 
 

@@ -334,7 +334,7 @@ def _list(names: Sequence[str]) -> str:
 
 
 @dataclass
-class EngineChecksums:
+class ServerChecksums:
     """One server's `checksum` answer: {rank key: {parameter: hash}} and its own summary."""
 
     ranks: dict[str, dict[str, str]]
@@ -353,7 +353,7 @@ class EngineChecksums:
         return {"ranks": self.ranks, "per_engine_checksum": self.per_engine_checksum}
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> EngineChecksums:
+    def from_json(cls, doc: dict[str, Any]) -> ServerChecksums:
         return cls(doc["ranks"], doc.get("per_engine_checksum"))
 
 
@@ -370,7 +370,7 @@ def _rank_key(info: Any, index: int) -> str:
     return f"#{index}"
 
 
-def parse_checksums(doc: dict[str, Any], where: str) -> EngineChecksums:
+def parse_checksums(doc: dict[str, Any], where: str) -> ServerChecksums:
     """Read a `checksum` answer, refusing anything not shaped like SGLang's."""
 
     def bad(why: str) -> OperationFailed:
@@ -391,10 +391,10 @@ def parse_checksums(doc: dict[str, Any], where: str) -> EngineChecksums:
             key = f"{key}#{i}"
         out[key] = sums
     total = doc.get("per_engine_checksum")
-    return EngineChecksums(out, total if isinstance(total, str) else None)
+    return ServerChecksums(out, total if isinstance(total, str) else None)
 
 
-def compare_engines(reports: Sequence[tuple[str, EngineChecksums]]) -> list[str]:
+def compare_servers(reports: Sequence[tuple[str, ServerChecksums]]) -> list[str]:
     """Problems found between servers that were given the same checkpoint (empty: they agree).
 
     Raises InvalidInput when their layouts differ (other TP sizes, other models): then

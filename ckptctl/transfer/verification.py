@@ -134,7 +134,7 @@ def check_weights(
     with job.reporter.stage("check_weights", f"checking {VERIFY_HOWS[how]}") as st:
         if how is Verify.checksum:
             st.detail = _check_sha256(job, assignment, verification, tensor_names or set())
-        elif how is Verify.per_engine:
+        elif how is Verify.per_server:
             st.detail = _check_agreement(job, assignment, verification)
         else:
             st.detail = _check_round_trip(job, assignment, verification)
@@ -183,7 +183,7 @@ def _check_sha256(
 
 def _check_agreement(job: Job, assignment: GroupAssignment, verification: Verification) -> str:
     """Every leader reads its server's checksums; rank 0 compares them all."""
-    from ckptctl.weights_checker import CHECKSUM, EngineChecksums, compare_engines, parse_checksums
+    from ckptctl.weights_checker import CHECKSUM, ServerChecksums, compare_servers, parse_checksums
 
     mine: dict[str, Any] = {}
     if assignment.is_leader:
@@ -194,8 +194,8 @@ def _check_agreement(job: Job, assignment: GroupAssignment, verification: Verifi
     docs = [d for d in _share(job, "verify-weights", mine, wanted=job.launch.rank == 0) if d]
     if job.launch.rank != 0:
         return "checksums sent to rank 0" if mine else ""
-    reports = [(d["where"], EngineChecksums.from_json(d["report"])) for d in docs]
-    problems = compare_engines(reports)
+    reports = [(d["where"], ServerChecksums.from_json(d["report"])) for d in docs]
+    problems = compare_servers(reports)
     if problems:
         raise OperationFailed(
             "servers given the same checkpoint hold different weights (SGLang's parameter "

@@ -73,7 +73,7 @@ def test_the_round_trip_must_be_confirmed() -> None:
 
 def test_the_verify_flags_resolve_to_the_ways_they_accept() -> None:
     assert ways() == ()
-    assert ways(verify=True) == VERIFY == (Verify.checksum, Verify.per_engine)
+    assert ways(verify=True) == VERIFY == (Verify.checksum, Verify.per_server)
     assert ways(round_trip=True, reset_confirmed=True) == ROUND_TRIP
 
 
@@ -191,7 +191,7 @@ def test_a_serve_push_takes_its_own_checkpoint_and_flags() -> None:
 
 def test_the_enums_print_and_serialise_as_the_flags_words() -> None:
     assert (
-        f"{UpdateMethod.all} {RegisterMode.consume} {Verify.per_engine}" == "all consume per-engine"
+        f"{UpdateMethod.all} {RegisterMode.consume} {Verify.per_server}" == "all consume per-engine"
     )
     assert json.loads(json.dumps({"how": Verify.round_trip})) == {"how": "round-trip"}
     assert UpdateMethod.all.broadcasts and UpdateMethod.all.uses_p2p

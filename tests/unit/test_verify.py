@@ -18,9 +18,9 @@ from ckptctl.errors import DeadlineExceeded, InvalidInput, OperationFailed
 from ckptctl.inference_server import ServerAddress
 from ckptctl.weights_checker import (
     Checker,
-    EngineChecksums,
+    ServerChecksums,
     check_expected,
-    compare_engines,
+    compare_servers,
     parse_checksums,
     plan_verification,
     probe,
@@ -96,7 +96,7 @@ def test_hashes_match_hashlib_with_any_number_of_threads() -> None:
     assert one == sha256_tensors(items, threads=4) == _expected()
 
 
-def _sums(server: FakeServer) -> EngineChecksums:
+def _sums(server: FakeServer) -> ServerChecksums:
     answer = _checker(server).require("checksum")
     return parse_checksums(answer.doc or {}, server.endpoint)
 
@@ -113,19 +113,19 @@ def test_servers_given_the_same_checkpoint_agree_and_one_corruption_is_named(pro
     finally:
         for s in servers:
             s.stop()
-    assert compare_engines(reports[:2]) == []
-    (problem,) = compare_engines(reports)
+    assert compare_servers(reports[:2]) == []
+    (problem,) = compare_servers(reports)
     assert problem.startswith(f"{servers[2].endpoint} differs from the other server(s) in 1 ")
     assert f"dp0/pp0/tp0 {Q}" in problem
-    (tied,) = compare_engines(reports[1:])
+    (tied,) = compare_servers(reports[1:])
     assert "disagree (no majority)" in tied and Q in tied
     ranks = 1 if profile == "sglang-0.5.12" else 2  # 0.5.12 reports TP rank 0 only
     assert len(reports[0][1].ranks) == ranks
 
 
 def test_the_engine_digest_ignores_the_order_ranks_arrive_in() -> None:
-    a = EngineChecksums({"dp0/pp0/tp0": {"w": "1"}, "dp1/pp0/tp0": {"w": "2"}})
-    b = EngineChecksums({"dp1/pp0/tp0": {"w": "2"}, "dp0/pp0/tp0": {"w": "1"}})
+    a = ServerChecksums({"dp0/pp0/tp0": {"w": "1"}, "dp1/pp0/tp0": {"w": "2"}})
+    b = ServerChecksums({"dp1/pp0/tp0": {"w": "2"}, "dp0/pp0/tp0": {"w": "1"}})
     assert a.digest() == b.digest()
 
 
@@ -139,7 +139,7 @@ def test_servers_of_other_layouts_cannot_be_compared() -> None:
     ):
         reports = [(a.endpoint, _sums(a)), (b.endpoint, _sums(b))]
     with pytest.raises(InvalidInput, match="report different parameters"):
-        compare_engines(reports)
+        compare_servers(reports)
 
 
 def test_the_round_trip_finds_a_dropped_tensor_and_leaves_rope_caches_alone() -> None:
