@@ -65,6 +65,35 @@ def socket_dir(_suite_socket_root: Path, monkeypatch: pytest.MonkeyPatch) -> Pat
     return path
 
 
+# What makes a process a torchrun rank, or gives the CLI its flags from the environment.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+FLAG_VARS = (
+    "CKPTCTL_ENDPOINT",
+    "CKPTCTL_UDS",
+    "CKPTCTL_ENGINE",
+    "CKPTCTL_API_KEY",
+    "CKPTCTL_DEBUG",
+)
+
+
+@pytest.fixture
+def plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain process, not a torchrun rank, with no flags from the environment, whatever the
+    environment running the tests says (in-process calls and the processes they start alike):
+    `pytestmark = pytest.mark.usefixtures("plain_process")`."""
+    for name in (*TORCHRUN_VARS, *FLAG_VARS):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def mixed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real checkpoint of two shards holding every dtype, 0-dim and empty tensors too
+    (ckpt_factory.mixed_shards), written once for the session: tests only read it."""
+    from ckpt_factory import mixed_shards, write_real_checkpoint
+
+    return write_real_checkpoint(tmp_path_factory.mktemp("mixed"), mixed_shards(seed=9))
+
+
 @pytest.fixture
 def server() -> Iterator[FakeServer]:
     """An SGLang 0.5.23-like server on a loopback port, waiting for its first weights."""

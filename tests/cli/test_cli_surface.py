@@ -25,13 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-checkpoint"
 
 
-@pytest.fixture(autouse=True)
-def _plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not a torchrun rank, no flags from the environment, whatever runs the tests."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CKPTCTL_DEBUG"):
-        monkeypatch.delenv(name, raising=False)
-    for name in ("CKPTCTL_ENDPOINT", "CKPTCTL_UDS", "CKPTCTL_ENGINE", "CKPTCTL_API_KEY"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("plain_process")
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

@@ -26,11 +26,7 @@ MACHINE = ["cuda", "checkpoint-engine", "torchrun", "memlock", "open-files", "de
 STATUSES = ("ok", "warn", "fail")
 
 
-@pytest.fixture(autouse=True)
-def _plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No server or key from the environment, not a torchrun rank."""
-    for name in ("CKPTCTL_ENDPOINT", "CKPTCTL_UDS", "CKPTCTL_API_KEY", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("plain_process")
 
 
 def _document(stdout: str) -> dict:

@@ -19,15 +19,9 @@ from ckptctl.checkpoint import plan_split, read_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny-checkpoint"
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
-@pytest.fixture(autouse=True)
-def _plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plain process, not a torchrun rank, whatever the environment running the tests says
-    (in-process calls and the processes they start alike)."""
-    for name in TORCHRUN_VARS:
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("plain_process")
 
 
 def dry_run(*args: str, tp: int | None = None) -> list[str]:

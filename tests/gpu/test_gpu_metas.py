@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpt_factory import mixed_shards, write_real_checkpoint
 from conftest import run_script
 from gpu_jobs import record, torchrun_ckptctl
 from gpu_receiver import ReceiverServer
@@ -22,9 +21,9 @@ from gpu_receiver import ReceiverServer
 pytestmark = [pytest.mark.gpu]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_real_checkpoint(tmp_path_factory.mktemp("ckpt"), mixed_shards(seed=5))
+@pytest.fixture
+def ckpt(mixed_checkpoint: Path) -> Path:
+    return mixed_checkpoint
 
 
 @pytest.mark.parametrize("register_mode", [None, "engine"])  # None: the default, direct

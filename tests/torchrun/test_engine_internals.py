@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_factory import mixed_shards, mixed_tensors, write_real_checkpoint
+from ckpt_factory import mixed_tensors, write_real_checkpoint
 from torchrun_launch import torchrun_cmd
 
 from ckptctl.ce.bare_import import engine_module
@@ -192,9 +192,9 @@ results.leave_group_to_exit(0)
 """
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_real_checkpoint(tmp_path_factory.mktemp("ck"), mixed_shards(seed=9))
+@pytest.fixture
+def ckpt(mixed_checkpoint: Path) -> Path:
+    return mixed_checkpoint
 
 
 @pytest.mark.slow
