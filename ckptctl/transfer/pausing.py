@@ -256,7 +256,7 @@ def after_command(
     pauses: ServerPauses | None,
     job: Job,
     channel: Any,
-    command: dict[str, Any],
+    command: Any,
     merged: dict[str, Any],
     stages: list[Any],
     timeout_s: float,
@@ -267,16 +267,16 @@ def after_command(
     that did not resume. A push whose weights went in whole but that left a server paused fails
     (exit 1), its weights still recorded as whole. The resume's stage joins the ranks' figures
     (and trace) and, on rank 0, `stages` (the metrics')."""
-    if pauses is None or command.get("action") == "stage":
+    if pauses is None or command.action == "stage":
         return
-    mode = PauseMode(command.get("pause") or pauses.default)
+    mode = PauseMode(command.pause or pauses.default)
     if mode is PauseMode.none and not pauses.retry:
         return
     errors, stage = pauses.resume_own(job.reporter)
     mine: dict[str, Any] = {"rank": job.launch.rank, "errors": errors, "stage": None}
     if stage is not None:
         mine["stage"] = stage.as_json()
-        if command.get("trace"):
+        if command.trace:
             from ckptctl.observe import timeline
 
             spans = timeline.rank_events(job.launch.rank, [stage], [])
