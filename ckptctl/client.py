@@ -147,6 +147,7 @@ def push(
     push_id: str | None = None,
     names: Names = ARGUMENTS,
     trace: str | os.PathLike[str] | None = None,
+    pause: str | None = None,
 ) -> dict[str, Any]:
     """Push a checkpoint through the serve job and wait for it: the job's answer (`ok`,
     `wall_s`, `server_weights`, `verified`, every rank's figures...), which is also
@@ -159,7 +160,10 @@ def push(
     says of it (`running`: stage, detail, bytes_done...). push_id: a name of the caller's for
     this push, which `cancel(push_id)` gives up. trace: a file for the push's timeline on
     every rank (Chrome trace-event JSON, written by the job: ckptctl.observe.timeline); the
-    answer's `trace` says where, or why not."""
+    answer's `trace` says where, or why not. pause: what the servers do with their generations
+    in flight meanwhile ("none", or a mode of theirs: "abort", "retract", "in_place" for SGLang,
+    "abort", "wait", "keep" for vLLM); None: the serve job's --pause. A mode the servers do not
+    have is refused (UsageError) before anything is sent."""
     budget = _Budget(timeout, names)
     path = budget.find_job(control_socket, endpoint, uds, wait)
     body: dict[str, Any] = {
@@ -171,6 +175,8 @@ def push(
         "allow_layout_change": allow_layout_change,
         "push_id": push_id,
     }
+    if pause is not None:
+        body["pause"] = str(pause)
     if trace is not None:  # (checked here too: a bad path fails before the push runs)
         from ckptctl.observe.timeline import check_path
 

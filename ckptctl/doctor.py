@@ -592,9 +592,12 @@ def check_weights_checker(address: ServerAddress, engine: str, timeout: float) -
     return ok(name, f"{where}: {', '.join(actions)}: {how}", needed=False, **listed)
 
 
-def server_checks(addresses: Sequence[ServerAddress], timeout: float) -> list[Check]:
+def server_checks(
+    addresses: Sequence[ServerAddress], timeout: float, pause: str | None = None
+) -> list[Check]:
     """Each server's checks, one after another, all within `timeout` seconds: a server that
-    does not answer uses up its part of it (an equal share of what is left), never the rest's."""
+    does not answer uses up its part of it (an equal share of what is left), never the rest's.
+    With `pause`, whether each offers that pause mode (in its share too)."""
     from ckptctl.unix_peers import UntrustedSocket
 
     checks = []
@@ -614,9 +617,51 @@ def server_checks(addresses: Sequence[ServerAddress], timeout: float) -> list[Ch
         if found.engine is not None:
             left = max(share - (time.monotonic() - start), 0.05)
             checks.append(check_weights_checker(address, found.engine, left))
+            if pause is not None:
+                left = max(share - (time.monotonic() - start), 0.05)
+                checks.append(check_pause(address, found.engine, pause, left))
     return checks
 
 
-def run(addresses: Sequence[ServerAddress] = (), *, timeout: float = 30.0) -> Report:
-    """Every check: this machine's, then each server's (all of them within `timeout` s)."""
-    return Report([*machine_checks(), *server_checks(addresses, timeout)])
+def check_pause(address: ServerAddress, engine: str, mode: str, timeout: float) -> Check:
+    """doctor --pause MODE: whether the server offers what the mode needs (its version, its
+    routes), asked without pausing it (server_pause.probe_routes)."""
+    import httpx
+
+    from ckptctl.errors import CkptctlError
+    from ckptctl.inference_server import describe_failure
+    from ckptctl.server_pause import probe_routes
+    from ckptctl.settings import PAUSE_MODES, PauseMode
+
+    extra: dict[str, Any] = {"endpoint": redact(address.endpoint), "mode": mode}
+    modes = [m.value for m in PAUSE_MODES[engine]]
+    if mode not in modes:
+        return problem(
+            "pause",
+            f"{address.describe()} is {engine}, whose pause modes are {', '.join(modes)}",
+            f"pass --pause with one of them (and --engine {engine})",
+            **extra,
+        )
+    if mode == PauseMode.none:
+        return ok("pause", f"{address.describe()}: --pause none sends no pause", **extra)
+    try:
+        return ok("pause", probe_routes(address, engine, PauseMode(mode), timeout), **extra)
+    except CkptctlError as exc:
+        return problem(
+            "pause", str(exc), f"upgrade the server, or pick another of {modes}", **extra
+        )
+    except httpx.HTTPError as exc:
+        return problem(
+            "pause",
+            f"{address.describe()}: {describe_failure(exc, address, timeout)}",
+            "check the server's log",
+            **extra,
+        )
+
+
+def run(
+    addresses: Sequence[ServerAddress] = (), *, timeout: float = 30.0, pause: str | None = None
+) -> Report:
+    """Every check: this machine's, then each server's (all of them within `timeout` s); with
+    `pause`, whether each server offers that pause mode."""
+    return Report([*machine_checks(), *server_checks(addresses, timeout, pause)])

@@ -248,9 +248,16 @@ VLLM_DEV_MODE_HINT = (
 
 
 def update_request(
-    engine: str, handles: dict[str, str], *, weight_version: str | None, timeout: float
+    engine: str,
+    handles: dict[str, str],
+    *,
+    weight_version: str | None,
+    timeout: float,
+    flush_cache: bool = True,
 ) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of the request that makes the server pull the weights over IPC."""
+    """(path, JSON body) of the request that makes the server pull the weights over IPC.
+    flush_cache=False where SGLang would refuse the flush (a pause that holds requests:
+    server_pause.flush_cache)."""
     if engine == "vllm":
         body: dict[str, Any] = {
             "method": "update_weights_from_ipc",
@@ -258,7 +265,7 @@ def update_request(
             "timeout": timeout,
         }
         return "/collective_rpc", body
-    body = {"zmq_handles": handles, "flush_cache": True}
+    body = {"zmq_handles": handles, "flush_cache": flush_cache}
     if weight_version is not None:
         body["weight_version"] = weight_version
     return "/update_weights_from_ipc", body
@@ -275,13 +282,16 @@ def push_update(
     *,
     weight_version: str | None,
     timeout: float,
+    flush_cache: bool = True,
 ) -> str:
     """POST the update; return the server's message. Blocks until the transfer is over.
 
     Success is HTTP 200 *and*, for SGLang, `"success": true`. Raises `UpdateRefused` when the
     server said no, `httpx.HTTPError` when it could not be reached or did not answer in time.
     """
-    path, body = update_request(engine, handles, weight_version=weight_version, timeout=timeout)
+    path, body = update_request(
+        engine, handles, weight_version=weight_version, timeout=timeout, flush_cache=flush_cache
+    )
     with make_client(address, timeout=timeout) as client:
         response = client.post(path, json=body)
     code = response.status_code

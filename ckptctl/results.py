@@ -154,8 +154,8 @@ def outcome(result: dict[str, Any]) -> str:
     refused before sending (exit 3: nothing was sent), or failed."""
     if result.get("ok"):
         return "rolled back" if result.get("action") == "rollback" else "ok"
-    if result.get("server_weights") == "whole":
-        return "restored"
+    if result.get("server_weights") == "whole" and not result.get("whole_but_paused"):
+        return "restored"  # (whole_but_paused: it went in, but a server stays paused: failed)
     code = result.get("exit_code")
     if code == ExitCode.INTERRUPTED:
         return "cancelled"

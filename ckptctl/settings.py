@@ -1,6 +1,6 @@
 """The words every layer shares for what a command was asked: one enum per set of values
 (the server's kind, how a share is registered, how weights reach the servers, how they are
-proven, whether the p2p store starts), and one name per setting that a message may tell the
+proven, whether the p2p store starts, what the servers do with their generations meanwhile), and one name per setting that a message may tell the
 operator to change (`Setting`). The CLI offers the value sets as flag choices as they are; they
 are str-valued, so a JSON result shows the same words. A setting is spelled as a flag in one
 place, `Setting.flag`, for the messages; inside ckptctl it travels by its name. No imports
@@ -105,4 +105,24 @@ _FLAGS = {
     Setting.server_wait: "serve --server-wait",
     Setting.server_start_wait: "serve --server-start-wait",
     Setting.restore_wait: "a restore's wait",
+}
+
+
+class PauseMode(Word):
+    """What the inference servers do with the generations in flight while a push lands
+    (docs/pause-contract.md): none is the server's own behaviour (SGLang's update waits for
+    them; vLLM's runs beside them); the others are the server's own pause modes."""
+
+    none = "none"
+    abort = "abort"  # both: end them (finish reason "abort")
+    retract = "retract"  # SGLang: back to the queue, recomputed under the new weights
+    in_place = "in_place"  # SGLang: held with their KV cache, continued after
+    wait = "wait"  # vLLM: take no new ones, let those running finish
+    keep = "keep"  # vLLM: held, recomputed under the new weights (its clear_cache default)
+
+
+# The modes each kind of server (--engine) has.
+PAUSE_MODES: dict[str, tuple[PauseMode, ...]] = {
+    ServerKind.sglang: (PauseMode.none, PauseMode.abort, PauseMode.retract, PauseMode.in_place),
+    ServerKind.vllm: (PauseMode.none, PauseMode.abort, PauseMode.wait, PauseMode.keep),
 }

@@ -318,6 +318,14 @@ class TransferSockets:
         """Wait until the current transfer's last reply came back (called from the req thread)."""
         return bool(self.sockets) and self.sockets[-1].finished.wait(timeout)
 
+    def worker_error(self) -> str | None:
+        """The last line of the error this rank's own server's worker answered the current
+        update with, if it did: the failure's origin (the other ranks' servers were only told
+        to give up)."""
+        errors = self._worker_errors()
+        lines = [line.strip() for line in (errors[-1] if errors else "").splitlines()]
+        return next((line for line in reversed(lines) if line), None) if errors else None
+
     def _worker_errors(self) -> list[str]:
         # (A rescued transfer's one reply is our stand-in's, not a worker's.)
         return [e for s in self.sockets if not s.rescued for e in s.errors]

@@ -21,7 +21,7 @@ import typer
 from ckptctl.cli._choices import RegisterModeChoice
 from ckptctl.defaults import API_KEY_ENV, CONTROL_SOCKET_ENV, ENDPOINT_ENV, ENGINE_ENV, UDS_ENV
 from ckptctl.defaults import DEFAULT_ENDPOINT as DEFAULT_ENDPOINT  # (wait_ready imports it here)
-from ckptctl.settings import ServerKind, SplitMode
+from ckptctl.settings import PauseMode, ServerKind, SplitMode
 
 # Help panels: `update` has two dozen flags; they are grouped by what they are about. Typer
 # shows a flag in no panel under "Options", first: every flag here has one.
@@ -175,6 +175,24 @@ WeightVersionOpt = Annotated[
         metavar="VERSION",
         panel=SERVER,
         help="Weight version string (SGLang records and reports it).",
+    ),
+]
+_PAUSE_HELP = (
+    "What the servers do with their generations in flight while the weights go in: none "
+    "(the server's own way: SGLang's update waits for every one to end), or one of the "
+    "server's pause modes - SGLang: abort, retract, in_place; vLLM: abort, wait, keep. "
+    "Every server is paused before the transfer and resumed after it, also when it fails."
+)
+PauseOpt = Annotated[PauseMode, _opt("--pause", metavar="MODE", panel=SERVER, help=_PAUSE_HELP)]
+# push: the serve job's --pause unless given.
+PushPauseOpt = Annotated[
+    PauseMode | None,
+    _opt(
+        "--pause",
+        metavar="MODE",
+        panel=SERVER,
+        show_default=False,
+        help=_PAUSE_HELP + " Default: the serve job's --pause.",
     ),
 ]
 InferenceParallelSizeOpt = Annotated[

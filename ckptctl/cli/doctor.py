@@ -19,6 +19,7 @@ from ckptctl.cli._options import (
 )
 from ckptctl.cli._output import Output
 from ckptctl.errors import OperationFailed, redact
+from ckptctl.settings import PauseMode
 
 STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -38,6 +39,17 @@ def doctor_command(
             "that does not answer fails its check (each --endpoint has an equal share).",
         ),
     ] = 30,
+    pause: Annotated[
+        PauseMode | None,
+        typer.Option(
+            "--pause",
+            metavar="MODE",
+            rich_help_panel=SERVER,
+            show_default=False,
+            help="Also ask each server whether it offers this --pause mode (its version and "
+            "routes, without pausing it).",
+        ),
+    ] = None,
     json_output: JsonOpt = False,
     quiet: Annotated[
         bool,
@@ -71,7 +83,7 @@ def doctor_command(
 
     out = Output(json_mode=json_output)
     addresses = doctor.server_addresses(endpoint, uds, api_key)  # bad flags: exit 2 first
-    report = doctor.run(addresses, timeout=timeout)
+    report = doctor.run(addresses, timeout=timeout, pause=None if pause is None else pause.value)
     if json_output:
         out.result(report.as_json(), ok=not report.failed)
     else:

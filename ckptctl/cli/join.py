@@ -23,6 +23,7 @@ from ckptctl.cli._options import (
     InferenceParallelSizeOpt,
     JsonOpt,
     LoadMetasFileOpt,
+    PauseOpt,
     QuietOpt,
     TimeoutOpt,
     UdsListOpt,
@@ -32,7 +33,7 @@ from ckptctl.cli._options import (
 )
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
-from ckptctl.settings import ServerKind
+from ckptctl.settings import PauseMode, ServerKind
 
 if TYPE_CHECKING:
     from ckptctl.transfer.request import TransferRequest
@@ -47,6 +48,7 @@ def join_command(
     engine: EngineOpt = ServerKind.sglang,
     inference_parallel_size: InferenceParallelSizeOpt = 8,
     weight_version: WeightVersionOpt = None,
+    pause: PauseOpt = PauseMode.none,
     timeout: TimeoutOpt = 600,
     api_key: ApiKeyOpt = None,
     verify: VerifyOpt = False,
@@ -73,6 +75,7 @@ def join_command(
         update_method=UpdateMethod.p2p,  # over p2p, from the holders
         verify=ways,
         timeout=timeout,
+        pause=pause,
     )
     out = Output(json_mode=json_output, quiet=quiet)
     use_log_format(out, log_format)

@@ -43,7 +43,9 @@ from ckptctl.cli._options import (
     JobSocketOpt,
     JsonOpt,
     MemFractionOpt,
+    PauseOpt,
     PushNameOpt,
+    PushPauseOpt,
     PushTimeoutOpt,
     QuietOpt,
     ReadThreadsOpt,
@@ -59,7 +61,7 @@ from ckptctl.cli._options import (
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_ENDPOINT, PUSH_LOG_SIZE
 from ckptctl.errors import CkptctlError, UsageError, log_line, redact
-from ckptctl.settings import ServerKind, Setting, SplitMode
+from ckptctl.settings import PauseMode, ServerKind, Setting, SplitMode
 
 
 def serve_command(
@@ -68,6 +70,7 @@ def serve_command(
     inference_parallel_size: InferenceParallelSizeOpt = 8,
     engine: EngineOpt = ServerKind.sglang,
     api_key: ApiKeyOpt = None,
+    pause: PauseOpt = PauseMode.none,
     control_socket: ControlSocketOpt = None,
     split: SplitOpt = SplitMode.auto,
     register_mode: RegisterModeOpt = RegisterModeChoice.direct,
@@ -156,6 +159,7 @@ def serve_command(
         timeout=push_timeout,
         timeout_setting=Setting.push_timeout,
         drop_page_cache=drop_page_cache,
+        pause=pause,
     )
     out = Output(json_mode=json_output, quiet=quiet)
     use_log_format(out, log_format)
@@ -193,6 +197,7 @@ def push_command(
     consume_shm_files: ConsumeShmOpt = False,
     verify: VerifyOpt = False,
     allow_layout_change: AllowLayoutChangeOpt = False,
+    pause: PushPauseOpt = None,
     control_socket: JobSocketOpt = None,
     endpoint: FindEndpointOpt = None,
     uds: FindUdsOpt = None,
@@ -222,6 +227,7 @@ def push_command(
             verify=verify,
             allow_layout_change=allow_layout_change,
             trace=trace,
+            pause=pause,
         ),
         _client_output(json_output, quiet, log_format),
         JobAddress(control_socket, endpoint, uds, wait),
@@ -578,6 +584,13 @@ def describe_status(doc: dict[str, Any], path: str) -> list[str]:
     targets = doc.get("targets") or []
     if targets:
         lines.append(f"servers: {redact(', '.join(targets))}")
+    paused = doc.get("paused")
+    if paused:
+        how = "LEFT PAUSED (its resume failed)" if paused.get("resume_failed") else "paused"
+        lines.append(
+            f"generation {how} ({paused.get('mode')}) since {_ago(paused.get('since'))}: "
+            + redact(", ".join(paused.get("servers") or []))
+        )
     weights = doc.get("weights") or {}
     state = doc.get("server_weights")
     if state is None:

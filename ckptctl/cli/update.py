@@ -37,6 +37,7 @@ from ckptctl.cli._options import (
     JoinFromMetasOpt,
     JsonOpt,
     MemFractionOpt,
+    PauseOpt,
     QuietOpt,
     ReadThreadsOpt,
     RegisterModeOpt,
@@ -55,7 +56,7 @@ from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
 from ckptctl.launch import LaunchInfo, launch_info
-from ckptctl.settings import ServerKind, SplitMode, UpdateMethod
+from ckptctl.settings import PauseMode, ServerKind, SplitMode, UpdateMethod
 
 if TYPE_CHECKING:
     from ckptctl.transfer.request import TransferRequest
@@ -100,6 +101,7 @@ def update_command(
     inference_parallel_size: InferenceParallelSizeOpt = 8,
     api_key: ApiKeyOpt = None,
     weight_version: WeightVersionOpt = None,
+    pause: PauseOpt = PauseMode.none,
     update_method: Annotated[
         UpdateMethod,
         typer.Option(
@@ -198,6 +200,7 @@ def update_command(
         update_method=UpdateMethod.p2p if joining else update_method,
         verify=ways,
         timeout=timeout,
+        pause=pause,
     )
     if load_metas_file is not None:  # the seed script's join mode: `update.py --load-metas-file F`
         from ckptctl.cli.join import run_join_job

@@ -321,6 +321,9 @@ class Watchdog:
         # While set, SIGTERM/SIGINT call this instead of ending the rank (a server job that
         # shuts down cleanly on a signal).
         self.on_signal: Callable[[signal.Signals], None] | None = None
+        # Run once, however this rank ends (os._exit skips every `finally`): each is bounded
+        # and must not raise (the servers a push paused are resumed: transfer/pausing.py).
+        self._exit_hooks: list[Callable[[], None]] = []
 
     # -- called from any thread ------------------------------------------------------------------
     def fail(self, code: int, message: str) -> None:
@@ -339,6 +342,18 @@ class Watchdog:
         with self._lock:
             if self._end_at is None or when < self._end_at[0]:
                 self._end_at = (when, int(code), message)
+
+    def add_exit_hook(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            self._exit_hooks.append(hook)
+
+    def run_exit_hooks(self) -> None:
+        """Run the exit hooks, each once (this rank is ending); one that fails is skipped."""
+        with self._lock:
+            hooks, self._exit_hooks = self._exit_hooks, []
+        for hook in hooks:
+            with contextlib.suppress(Exception):
+                hook()
 
     def exit_on_signal(self, sig: signal.Signals) -> None:
         """End this rank now, as a signal does when nobody handles it (a second SIGTERM)."""
@@ -481,6 +496,7 @@ class Watchdog:
                     self.coordinator.publish_abort(code, message)
                     # Give peers a moment to read the reason before torchrun tears them down.
                     time.sleep(0.3)
+            self.run_exit_hooks()  # (after the abort: the other ranks start on theirs meanwhile)
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
         finally:

@@ -168,5 +168,6 @@ def run_job(
                 coordinator.publish_abort(ExitCode.FAILED, f"{type(exc).__name__}: {exc}")
             raise OperationFailed(f"{type(exc).__name__}: {exc}") from exc
         finally:
+            watchdog.run_exit_hooks()  # (the servers it paused, on every way out)
             if node is not None:
                 node.stop()

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl.errors import OperationFailed, error_for
+from ckptctl.settings import PauseMode
 
 STORE_PREFIX = "serve-commands/"
 MAX_COMMAND_BYTES = 64 * 1024
@@ -68,7 +69,15 @@ TEXT_BOUNDS = {
 FLAGS = ("consume_shm_files", "verify", "allow_layout_change")
 # What a client may send with each request; "restore" is the job's own (after a failed push).
 CLIENT_FIELDS = {
-    "push": {"checkpoint_path", "checkpoint_name", "weight_version", "push_id", "trace", *FLAGS},
+    "push": {
+        "checkpoint_path",
+        "checkpoint_name",
+        "weight_version",
+        "push_id",
+        "trace",
+        "pause",
+        *FLAGS,
+    },
     "stage": {"checkpoint_path", "push_id", "allow_layout_change"},
     "rollback": {"push_id"},
 }
@@ -96,6 +105,7 @@ class ServeCommand:
     trace: str | None = None  # push --trace FILE: where rank 0 writes its timeline
     restores: int | None = None  # a restore's or rollback's: the push whose checkpoint it is
     started_at: str | None = None  # when rank 0 sent it to every rank
+    pause: str | None = None  # push --pause MODE (a PauseMode's value); None: serve's own
 
     def __post_init__(self) -> None:
         problem = _problem(self)
@@ -171,6 +181,9 @@ def _problem(command: ServeCommand) -> str | None:
         return f'{command.action} needs {{"checkpoint_path": DIR}}'
     if command.trace is not None and not command.trace.startswith("/"):
         return "trace must be an absolute path"
+    modes = {m.value for m in PauseMode}
+    if command.pause is not None and (type(command.pause) is not str or command.pause not in modes):
+        return f"pause must be one of {', '.join(m.value for m in PauseMode)}"
     for name in FLAGS:
         if type(getattr(command, name)) is not bool:
             return f"{name} must be true or false"

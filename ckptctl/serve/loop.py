@@ -50,6 +50,7 @@ from ckptctl.serve.commands import (
 from ckptctl.serve.control import ControlServer, Handler, default_socket_path
 from ckptctl.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock, exchanges_of
 from ckptctl.serve.state import PushLog, ServeState
+from ckptctl.transfer.pausing import after_command, pause_refusal
 
 Executor = Callable[[Job, ServeCommand], dict[str, Any]]
 
@@ -88,6 +89,8 @@ def failure_result(exc: BaseException) -> dict[str, Any]:
         "error": str(error),
         # Set by the executor on a failure after the server's workers connected (push.py).
         "server_weights": getattr(exc, "server_weights", None),
+        # The server the failure came from (Transfer.naming_failed_server), where one did.
+        "failed_server": getattr(exc, "failed_server", None),
     }
 
 
@@ -95,7 +98,9 @@ def merge_results(command: ServeCommand, ranks: list[dict[str, Any]]) -> dict[st
     """Every rank's result of one push as one: ok only if every rank's is."""
     failed = [r for r in ranks if not r.get("ok")]
     # Another rank's "rank N failed: ..." echoes the failure; the rank that failed says it best.
-    first = next((r for r in failed if not str(r.get("error")).startswith("rank ")), None)
+    # A server's own failure first (with several servers, every rank fails alike).
+    first = next((r for r in failed if r.get("failed_server")), None)
+    first = first or next((r for r in failed if not str(r.get("error")).startswith("rank ")), None)
     first = first or (failed[0] if failed else None)
     partial = any(r.get("server_weights") == "partial" for r in ranks)
     error = None if first is None else str(first.get("error"))
@@ -120,6 +125,7 @@ def merge_results(command: ServeCommand, ranks: list[dict[str, Any]]) -> dict[st
         "checkpoint_name": ranks[0].get("checkpoint_name") or command.checkpoint_name,
         "weight_version": command.weight_version,
         "server_weights": weights,
+        "failed_server": None if first is None else first.get("failed_server"),
         "started_at": command.started_at,
         "finished_at": utc_now(),
         "wall_s": wall_s,
@@ -182,7 +188,7 @@ class JobStatus:
             self.pushes.add(merged)
             if merged["action"] == "stage":
                 return  # read ahead: the server's weights are what they were
-            if merged["ok"]:
+            if merged["ok"] or merged.get("whole_but_paused"):  # (pausing.after_command)
                 self.server_weights = "whole"
                 seq = merged.get("restores") or merged["seq"]
                 entry = {
@@ -313,6 +319,7 @@ class ServeLoop:
             "registered": served.registered,
             "pinned_pool_bytes": served.pinned_pool_bytes,
             "served_tensors": served.served_tensors,
+            "paused": served.pauses.describe() if served.pauses is not None else None,
         }
         doc = self.status.snapshot(queued, extra, self.job.reporter.running_stages())
         if stopping:  # asked to stop, still ending the command under way
@@ -354,6 +361,9 @@ class ServeLoop:
             command = ServeCommand.from_request(action, doc)
         except BadCommand as exc:
             return 400, {"ok": False, "error": str(exc)}
+        refused = pause_refusal(self.serve_state.pauses, command.pause)  # (a mode of the other
+        if refused:  # kind of server: exit 2, before anything is sent)
+            return 400, {"ok": False, "error": refused}
         return self._enqueue(command)
 
     def handle_rollback(self, doc: Any) -> tuple[int, dict[str, Any]]:
@@ -534,6 +544,9 @@ class ServeLoop:
         stages = self.job.reporter.figures.stages  # (this push's: a restore starts its own)
         if merged["server_weights"] == "partial":
             self._restore(merged)
+        # --pause: every server resumed, now that every one is whole (or restored)
+        pauses = self.serve_state.pauses
+        after_command(pauses, self.job, self.channel, command, merged, stages, TICK_TIMEOUT_S)
         if command.trace:
             merged["trace"] = timeline.push_trace(
                 command.trace, merged["ranks"], write_it=self.rank == 0

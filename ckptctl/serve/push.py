@@ -42,7 +42,7 @@ from ckptctl.job.coordination import describe_abort
 from ckptctl.job.runner import Job
 from ckptctl.serve.commands import ServeCommand
 from ckptctl.serve.state import ServedLayout, ServeState, Staged
-from ckptctl.settings import RegisterMode, Setting
+from ckptctl.settings import PauseMode, RegisterMode, Setting
 from ckptctl.transfer import stages
 from ckptctl.transfer.registration import Registration, for_request
 
@@ -348,6 +348,7 @@ def gpu_executor(
             server_wait=wait,
             server_wait_setting=bound,
             guard=guard,
+            pauses=state.pauses,
         )
         try:
             t.run()
@@ -446,6 +447,7 @@ def push_request(opts: ServeOptions, command: ServeCommand, name: str) -> Transf
         weight_version=command.weight_version,
         consume=command.consume_shm_files,
         verify=command.verify,
+        pause=PauseMode(command.pause) if command.pause else None,
     )
 
 

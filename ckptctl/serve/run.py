@@ -11,6 +11,7 @@ from ckptctl.serve.loop import serve_loop
 from ckptctl.serve.push import HARD_GRACE_S, gpu_executor
 from ckptctl.serve.state import ServeOptions, ServeState
 from ckptctl.settings import P2P, RegisterMode
+from ckptctl.transfer.pausing import ServerPauses
 
 
 def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict[str, Any]:
@@ -44,6 +45,9 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
         # The NCCL group now, not at the first push: a job that cannot build it fails at
         # start-up instead of failing every push.
         stages.build_group(job, session)
+        state.pauses = ServerPauses.attach(
+            job, servers, default=opts.request.pause, resume_in_transfer=False
+        )
         if opts.request.register_mode is RegisterMode.direct:
             from ckptctl.transfer.host_memory import PinnedPool
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ckptctl.checkpoint.headers import Checkpoint, TensorInfo
     from ckptctl.checkpoint.plan import RankPlan
     from ckptctl.transfer.host_memory import PinnedPool, ShareReader
+    from ckptctl.transfer.pausing import ServerPauses
     from ckptctl.transfer.request import TransferRequest
 
 
@@ -104,6 +105,7 @@ class ServeState:
     whole: dict[int, Checkpoint] = field(default_factory=dict)
     server_seen: bool = False  # the server answered once: later pushes wait --server-wait
     staged: Staged | None = None  # `ckptctl stage`: read ahead for the next push
+    pauses: ServerPauses | None = None  # --pause: what is paused, resumed after each command
 
     def drop_staged(self) -> None:
         """Discard the stage held, if any (`Staged.discard`)."""

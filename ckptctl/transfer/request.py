@@ -13,8 +13,10 @@ from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME
 from ckptctl.errors import InvalidInput, UsageError
 from ckptctl.settings import (
     P2P,
+    PAUSE_MODES,
     ROUND_TRIP,
     VERIFY,
+    PauseMode,
     RegisterMode,
     Setting,
     SplitMode,
@@ -40,11 +42,20 @@ class TransferRequest:
     verify: tuple[Verify, ...] = ()  # the ways the flags accept; () for none
     timeout: float = 600.0
     timeout_setting: Setting = Setting.timeout  # what an error tells to raise (serve: per push)
+    pause: PauseMode = PauseMode.none  # the servers' generation around the push (pausing.py)
 
     def for_push(
-        self, path: str, name: str, *, weight_version: str | None, consume: bool, verify: bool
+        self,
+        path: str,
+        name: str,
+        *,
+        weight_version: str | None,
+        consume: bool,
+        verify: bool,
+        pause: PauseMode | None = None,
     ) -> TransferRequest:
-        """A serve push: this job's request with the push's checkpoint and flags."""
+        """A serve push: this job's request with the push's checkpoint and flags (pause: the
+        push's own --pause, else the job's)."""
         mode = RegisterMode.consume if consume else self.register_mode
         mode, split = registration(path, mode, self.split)
         servers = self.servers
@@ -58,6 +69,7 @@ class TransferRequest:
             split=split,
             register_mode=mode,
             verify=VERIFY if verify else (),
+            pause=pause or self.pause,
         )
 
 
@@ -86,6 +98,7 @@ def resolve(
             "--drop-page-cache needs --register-mode direct (checkpoint-engine's copy reads "
             "through the file mapping)"
         )
+    check_pause(fields.get("pause", PauseMode.none), server[3])
     req = TransferRequest(ServerTargets.from_flags(*server, weight_version), **fields)
     if consume:
         req = replace(req, register_mode=RegisterMode.consume)
@@ -93,6 +106,16 @@ def resolve(
         return req
     mode, split = registration(req.checkpoint_path, req.register_mode, req.split)
     return replace(req, register_mode=mode, split=split)
+
+
+def check_pause(mode: PauseMode, engine: str, flag: str = "--pause") -> None:
+    """A usage error (exit 2, before anything is sent) for a mode the server's kind lacks."""
+    modes = PAUSE_MODES.get(engine, (PauseMode.none,))
+    if mode not in modes:
+        raise UsageError(
+            f"{flag} {mode} is not one of {engine or 'this job'}'s pause modes: "
+            f"{', '.join(m.value for m in modes)}"
+        )
 
 
 def registration(path: str, mode: RegisterMode, split: SplitMode) -> tuple[RegisterMode, SplitMode]:

@@ -1,6 +1,7 @@
 """The one transfer sequence that `update`, `join` and a serve push run on every rank:
 
-    plan → register → wait for the server → group → gather metas → push → verify
+    plan → register → wait for the server → group → gather metas → (pause) → push → verify
+    → (resume)
 
 What differs is a parameter: how the share is registered (registration.py: a checkpoint's
 files copied, read or consumed, or - join - the holders' metas to pull from); a parameter
@@ -12,12 +13,14 @@ server: up to the gathered metas.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ckptctl.settings import P2P, Setting
+from ckptctl.errors import PARTIAL_WEIGHTS_NOTE, CkptctlError
+from ckptctl.settings import P2P, PauseMode, Setting
 from ckptctl.transfer import stages
+from ckptctl.transfer.pausing import DrainWatch, ServerPauses
 from ckptctl.transfer.registration import Registration
 from ckptctl.transfer.request import TransferRequest
 from ckptctl.transfer.verification import (
@@ -30,6 +33,7 @@ from ckptctl.transfer.verification import (
 if TYPE_CHECKING:
     from ckptctl.ce import ParameterServerSession
     from ckptctl.checkpoint import Checkpoint, Plan, RankPlan
+    from ckptctl.inference_server import ServerAddress
     from ckptctl.job.groups import GroupAssignment
     from ckptctl.job.runner import Job
     from ckptctl.transfer.host_memory import ShareReader
@@ -74,6 +78,8 @@ class Transfer:
     server_wait: float | None = None  # None: until the deadline (exit 4); else exit 1
     server_wait_setting: Setting = Setting.timeout  # what bounds that wait
     guard: PushGuard | None = None  # serve; else a failure ends the job (failing_job)
+    # --pause: serve's, kept from push to push (it resumes after the command); else made here
+    pauses: ServerPauses | None = None
 
     checkpoint: Checkpoint | None = None
     plan: Plan | None = None
@@ -109,6 +115,7 @@ class Transfer:
                 # here, where every rank can still give up on the push, before any byte moves.
                 reader.raise_if_failed()
         verification = None
+        pauses = self.pausing()
         if assignment is not None:
             stages.wait_for_server(
                 job,
@@ -119,6 +126,8 @@ class Transfer:
                 deadline_setting=req.timeout_setting,
             )
             self.server_up = True
+            if pauses is not None:  # (before anything is sent: exit 1)
+                pauses.check(job, assignment, req.pause)
             if req.verify:  # before anything is pushed: exit 3 where it cannot be done
                 verification = check_offers(job, assignment, req.verify, hashes=self.registered)
                 start_hashing(job, session, name, verification, reader)
@@ -130,8 +139,11 @@ class Transfer:
         if assignment is None:
             return self
         way.load(session)
+        if pauses is not None:
+            pauses.pause(job, assignment, req.pause)  # every server, before any takes weights
         if verification is not None:
             round_trip_reset(job, assignment, verification)
+        drains = req.pause is PauseMode.none and (pauses is None or pauses.mode is None)
         request = stages.ServerRequest(
             assignment,
             req.servers,
@@ -140,10 +152,12 @@ class Transfer:
             transfer_finished=session.wait_transfer_finished,
             on_failure=self.guard or failing_job(job, session),
             setting=req.timeout_setting,
+            flush_cache=pauses.flush_cache(req.pause) if pauses is not None else True,
+            drain=DrainWatch(job.reporter, session.workers_connected) if drains else None,
         )
         self.transfer_began = True
         guarding = self.guard.guarding(request) if self.guard else contextlib.nullcontext()
-        with guarding:
+        with self.naming_failed_server(session, request), guarding:
             stages.push(
                 job,
                 session,
@@ -162,7 +176,51 @@ class Transfer:
         if verification is not None:
             names = {t.name for t in self.checkpoint.tensors} if self.checkpoint else None
             self.verified = check_weights(job, assignment, verification, names)
+        if pauses is not None and pauses.resume_in_transfer:
+            pauses.finish(job)  # once every server holds it (a serve job's loop resumes later)
         return self
+
+    @contextlib.contextmanager
+    def naming_failed_server(
+        self, session: ParameterServerSession, request: stages.ServerRequest
+    ) -> Iterator[None]:
+        """A transfer that fails because of this group's own server - its worker's error, its
+        death or silence - names that server, and marks the error (`failed_server`, which a
+        serve job's merged answer prefers): with several servers every rank's transfer fails
+        alike, and the others' errors only echo the first."""
+        try:
+            yield
+        except CkptctlError as exc:
+            where = self.group_server().describe()
+            own = request.server_failure
+            worker = session.worker_error()
+            if own is None and worker is not None:
+                own = f"{where}'s worker failed while loading the weights: {worker}"
+            if own is not None:
+                exc.failed_server = where  # type: ignore[attr-defined]
+                said = own if where in own else f"{where}: {own}"
+                if PARTIAL_WEIGHTS_NOTE in str(exc) and PARTIAL_WEIGHTS_NOTE not in said:
+                    said += f" ({PARTIAL_WEIGHTS_NOTE})"
+                exc.args = (said,)
+            raise
+
+    def group_server(self) -> ServerAddress:
+        """This rank's group's server (a leader's own; the leader's for the others)."""
+        assert self.assignment is not None
+        if self.assignment.address is not None:
+            return self.assignment.address
+        leader = replace(self.job.launch, rank=self.assignment.leader)
+        address = self.request.servers.assign(leader).address
+        assert address is not None
+        return address
+
+    def pausing(self) -> ServerPauses | None:
+        """--pause: the job's ServerPauses (serve's, or one of this transfer's own)."""
+        if self.pauses is None and self.request.pause is not PauseMode.none:
+            self.pauses = ServerPauses.attach(
+                self.job, self.request.servers, default=self.request.pause
+            )
+        return self.pauses
 
     @property
     def nbytes(self) -> int:

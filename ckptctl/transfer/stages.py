@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ckptctl.job.coordination import Watchdog
     from ckptctl.launch import LaunchInfo
     from ckptctl.transfer.host_memory import PinnedPool, ShareReader
+    from ckptctl.transfer.pausing import DrainWatch
 
 # After the server says "done", the IPC transfer must finish within this many seconds: SGLang
 # and vLLM answer only once their workers have loaded every bucket.
@@ -418,7 +419,11 @@ class ServerRequest:
         transfer_finished: Callable[[float], bool],
         on_failure: Callable[[int, str], None] | None = None,
         setting: Setting = Setting.timeout,
+        flush_cache: bool = True,
+        drain: DrainWatch | None = None,
     ) -> None:
+        """flush_cache: SGLang's, for the pause in force (pausing.py); drain: --pause none's
+        watch of the wait for the generations in flight, around the request."""
         self.assignment = assignment
         # Where a failure goes: by default the watchdog, which ends every rank; a long-lived
         # job ends just the push instead (serve.py).
@@ -431,6 +436,9 @@ class ServerRequest:
         # Blocks until the IPC transfer of the current update is over (True) or times out.
         self.transfer_finished = transfer_finished
         self.messages: list[str] = []
+        self.server_failure: str | None = None  # its server died, hung or took no weights
+        self.flush_cache = flush_cache
+        self.drain = drain
         self._abandoned = threading.Event()
 
     def __call__(self, socket_paths: list[tuple[str, str]]) -> None:
@@ -463,6 +471,13 @@ class ServerRequest:
         """The push failed: stop waiting for the server's answer (see `__call__`)."""
         self._abandoned.set()
 
+    def _server_failed(self, code: int, message: str) -> None:
+        """This group's own server failed the push (not a refusal, which may only echo another
+        server's failure): kept, to name it (Transfer.naming_failed_server)."""
+        if not self._abandoned.is_set():
+            self.server_failure = message
+        self.fail(code, message)
+
     def _request(self, address: ServerAddress, handles: dict[str, str]) -> None:
         from ckptctl.inference_server import UpdateRefused, describe_failure, push_update
 
@@ -473,22 +488,28 @@ class ServerRequest:
         left = max(remaining - min(PAST_DEADLINE_S, remaining / 4), 0.1)
         sent_at = time.perf_counter()
         try:
-            message = push_update(
-                address, self.engine, handles, weight_version=self.weight_version, timeout=left
-            )
+            with self.drain.watching() if self.drain else contextlib.nullcontext():
+                message = push_update(
+                    address,
+                    self.engine,
+                    handles,
+                    weight_version=self.weight_version,
+                    timeout=left,
+                    flush_cache=self.flush_cache,
+                )
             timeline.record(f"POST to {address.describe()}", timeline.REQUEST, sent_at)
         except UpdateRefused as exc:
             self.fail(ExitCode.FAILED, f"{address.describe()} refused the update: {exc}")
             return
         except httpx.TimeoutException:
-            self.fail(
+            self._server_failed(
                 ExitCode.TIMEOUT,
                 f"timed out after {self.timeout:g}s: {address.describe()} did not finish "
                 f"the update; raise {self.setting.flag} if the server is just slow",
             )
             return
         except httpx.HTTPError as exc:
-            self.fail(
+            self._server_failed(
                 ExitCode.FAILED,
                 f"update request to {address.describe()} failed: "
                 f"{describe_failure(exc, address, left)}",
@@ -500,7 +521,7 @@ class ServerRequest:
         # The server says it is done: the transfer on our side must end now too. If it does
         # not, the server answered without taking the weights (it never connected over IPC).
         if not self.transfer_finished(AFTER_ANSWER_GRACE_S):
-            self.fail(
+            self._server_failed(
                 ExitCode.FAILED,
                 f"{address.describe()} answered success ({message!r}) but never took the weights "
                 "over IPC: check that its GPUs are the ones this job's ranks use",
@@ -546,6 +567,9 @@ def push(
             session.on_bucket_loaded = None
         if request.messages:
             st.detail = request.messages[-1]
+        drained = request.drain.seconds if request.drain is not None else None
+        if drained:
+            st.detail += f" ({drained:.2f}s of it the drain: generations in flight first)"
 
 
 def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, want: str) -> None:

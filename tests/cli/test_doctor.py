@@ -230,6 +230,36 @@ def test_what_each_sglang_weights_checker_offers(
     assert set(asked) <= {"compare_checksum", "checksum"}, asked
 
 
+def test_pause_asks_each_server_for_the_mode_without_pausing_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """doctor --pause MODE: each server's version and routes for the mode, asked with GETs only
+    (SGLang answers 405 on a POST-only route it has); a version that cannot honour it, or a
+    server of the other kind, fails the check."""
+    with (
+        FakeServer(Behaviour(weights_loaded=True)) as new,
+        FakeServer(Behaviour(profile="sglang-0.5.9", weights_loaded=True)) as old,
+        FakeServer(Behaviour(profile="vllm")) as vllm,
+    ):
+        servers = (new, old, vllm)
+        endpoints = [a for s in servers for a in ("--endpoint", s.endpoint)]
+        code, doc = _doctor_json(capsys, *endpoints, "--pause", "retract")
+        pause = _by_name(doc)["pause"]
+        assert [c["status"] for c in pause] == ["ok", "fail", "fail"], pause
+        assert "--pause retract works" in pause[0]["detail"]
+        assert "sglang 0.5.9 deadlocks an IPC update" in pause[1]["detail"]
+        assert "whose pause modes are none, abort, wait, keep" in pause[2]["detail"]
+        assert code == 1 and "pause" in doc["failed"]
+        _, doc = _doctor_json(capsys, "--endpoint", vllm.endpoint, "--pause", "keep")
+        assert _by_name(doc)["pause"][0]["status"] == "ok"
+        for s in servers:
+            assert not s.behaviour.generations().snapshot()["paused"]
+            posted = {
+                r["path"].split("?")[0] for r in s.behaviour.requests if r["method"] == "POST"
+            }
+            assert not posted & {"/pause_generation", "/continue_generation", "/pause", "/resume"}
+
+
 def test_an_api_key_the_server_wants(capsys: pytest.CaptureFixture[str]) -> None:
     with FakeServer(Behaviour(profile="sglang-0.5.14", api_key="sekrit-key-123")) as s:
         _, without = _doctor_json(capsys, "--endpoint", s.endpoint)

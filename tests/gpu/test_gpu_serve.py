@@ -270,3 +270,45 @@ def test_a_push_failing_in_bucket_1_is_partial_and_the_next_push_makes_it_whole(
             if job.poll() is None:
                 kill_tree(job)
     assert job.returncode == 0, log.read_text()[-3000:]
+
+
+def test_a_paused_push_into_a_generating_server_is_bit_exact(
+    tmp_path: Path, short_tmp: Path
+) -> None:
+    """Issue 35 on a GPU: four generations in flight hold the receiver's model-update reader
+    lock; `serve --pause retract` retracts them, the push loads bit-exact, and they go on after
+    the resume (none lost); `push --pause in_place` holds them instead, without the cache
+    flush SGLang would refuse."""
+    from fake_generation import in_flight
+
+    ck = _checkpoint(tmp_path / "ck", seed=35)
+    sock, log = str(short_tmp / "serve.sock"), short_tmp / "serve.log"
+    with ReceiverServer(ck, [0]) as rx:
+        gen = rx.behaviour.generations()
+        job = start_serve_job(rx.endpoint, sock, log, "--push-timeout", "120", "--pause", "retract")
+        try:
+            assert wait_for_path(sock, timeout=120), "the serve job never opened its socket"
+            rx.set_config(verify_against=str(ck))
+            for i, (mode, count) in enumerate((("retract", "retracted"), ("in_place", "held"))):
+                with in_flight(rx.endpoint, gen, 4):
+                    r = run_script(
+                        "push", "--control-socket", sock, "--checkpoint-path", str(ck),
+                        "--weight-version", f"v{i}", "--pause", mode, "--json", timeout=180,
+                    )  # fmt: skip
+                    assert r.returncode == 0, r.stdout + r.stderr
+                    snapshot = gen.snapshot()
+                    assert snapshot[count] == 4 and snapshot["running"] == 4, snapshot
+                    assert not snapshot["paused"]
+                report = rx.report()
+                assert report["ok"] and report["weight_version"] == f"v{i}", report
+                assert all(not w["mismatches"] and not w["missing"] for w in report["workers"])
+                stages = json.loads(r.stdout)["ranks"][0]["figures"]["stages"]
+                record(f"serve: a push with --pause {mode}, 4 generations in flight", stages)
+            assert gen.snapshot()["completed"] == 8 and gen.snapshot()["aborted"] == 0
+            stop = run_script("stop", "--control-socket", sock, "--timeout", "60", timeout=90)
+            assert stop.returncode == 0, stop.stderr
+            job.wait(timeout=60)
+        finally:
+            if job.poll() is None:
+                kill_tree(job)
+    assert job.returncode == 0, log.read_text()[-3000:]

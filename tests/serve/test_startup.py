@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl.cli import _fast, serve
+from ckptctl.settings import PauseMode
 
 HEAVY = {"torch", "pydantic", "pydantic_core", "httpx", "numpy", "safetensors", "checkpoint_engine"}
 
@@ -37,6 +38,7 @@ def _imported(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
     "args",
     [
         ["push", "--checkpoint-path", "/nonexistent", "--weight-version", "v1", "--json"],
+        ["push", "--checkpoint-path", "/nonexistent", "--pause", "retract"],
         ["status"],
         ["status", "--json", "-q"],
         ["status", "--history"],
@@ -72,6 +74,9 @@ def test_the_fast_path_reads_a_line_as_typer_does() -> None:
     assert kw["checkpoint_path"] == Path("/c") and kw["endpoint"] == ["http://a", "http://b"]
     assert kw["quiet"] is True and kw["verify"] is True and kw["json_output"] is False
     assert kw["timeout"] == 5.0 and kw["wait"] == 2.5 and kw["uds"] is None
+    assert kw["pause"] is None  # (the job's own)
+    kw = _fast.parse(serve.push_command, ["--checkpoint-path", "/c", "--pause", "in_place"])
+    assert kw is not None and kw["pause"] is PauseMode.in_place
     assert _fast.parse(serve.status_command, []) is not None
     for line in (
         ["--timeout", "0"],  # below its limit: Typer's usage error
@@ -83,6 +88,7 @@ def test_the_fast_path_reads_a_line_as_typer_does() -> None:
         ["--help"],
         ["-h"],
         ["extra"],
+        ["--pause", "bogus"],  # not a mode: Typer's usage error
     ):
         assert _fast.parse(serve.push_command, ["--checkpoint-path", "/c", *line]) is None, line
     assert _fast.parse(serve.push_command, []) is None  # --checkpoint-path missing

@@ -204,6 +204,9 @@ class CpuParameterServerSession:
     def workers_connected(self) -> bool:
         return self.connected if self.real is None else self.real.workers_connected()
 
+    def worker_error(self) -> str | None:
+        return None if self.real is None else self.real.worker_error()
+
     def _event(self, what: str, name: str) -> None:
         path = os.environ.get("CPU_PS_EVENTS")
         if path:

@@ -9,6 +9,9 @@
 - `/weights_checker` (0.5.6+): SGLang's weights checker, version by version, over the tensors
   in `Behaviour.held` (tests/support/fake_checker.py; what each version answers: WEIGHTS-CHECKER.md).
 - vLLM: `/health` 200 from the start, `POST /collective_rpc` → `{"results": [...]}`.
+- Generations in flight, the model-update locks and the pause modes of both engines
+  (`/generate`, `/pause_generation`, `/continue_generation`; vLLM's `/v1/completions`, `/pause`,
+  `/resume`, `/is_paused`), version by version: tests/support/fake_generation.py.
 
 It can also misbehave: hang (accept, never answer), reset the connection, answer garbage, 5xx,
 require an API key, trickle its headers or body a byte at a time, stream an endless body or
@@ -19,6 +22,7 @@ pluggable `on_update(zmq_handles, body)` so the GPU receiver can do the real IPC
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -30,6 +34,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+# Arrival and answer order of every request of every FakeServer in this process (`requests`):
+# what one server saw before another did, without a clock.
+ORDER = itertools.count()
 
 # Which read-back endpoints each SGLang version has; `weights_checker`: the checker's
 # generation (fake_checker.CHECKER_VERSIONS), None where the route does not exist.
@@ -103,6 +111,7 @@ class Behaviour:
     # | "trickle_headers" | "trickle_body" | "endless_body" | "huge_length" | "echo_headers"
     mode: str | None = None
     mode_paths: tuple[str, ...] = ()  # when set, the misbehaviour is only on these paths
+    mode_times: int | None = None  # when set, the misbehaviour only this many more times
     trickle_interval_s: float = 0.05  # between two bytes of a trickle: far below any timeout
     bytes_sent: int = 0  # by the misbehaviours that stream (trickles, endless bodies)
     disconnects: int = 0  # times a streaming misbehaviour found the client gone
@@ -120,6 +129,22 @@ class Behaviour:
     requests: list[dict[str, Any]] = field(default_factory=list)
     # What /weights_checker sees (a fake_checker.HeldWeights); an empty one when None.
     held: Any = None
+    # The engine's version (fake_generation.py): the profile's by default, vLLM 0.34.0.
+    version: str | None = None
+    token_delay_s: float = 0.01  # one token of a generation (its max_new_tokens / max_tokens)
+    abort_poll_s: float = 1.0  # SGLang's abort pause looks again this often for the drain
+    _generations: Any = None
+
+    def generations(self) -> Any:
+        """The server's generations and pause state (fake_generation.Generations)."""
+        if self._generations is None:
+            from fake_generation import Generations
+
+            kind = "vllm" if self.profile == "vllm" else "sglang"
+            number = self.profile.rsplit("-", 1)[-1]
+            default = "0.34.0" if kind == "vllm" else (number if number[:1].isdigit() else "0.5.23")
+            self._generations = Generations(kind, self.version or default, self)
+        return self._generations
 
     def statuses(self, path: str) -> list[int]:
         """The statuses answered so far to requests for `path` (query string ignored)."""
@@ -160,6 +185,7 @@ class _Handler(BaseHTTPRequestHandler):
         longer reach that answer."""
         if self._entry is not None:
             self._entry["status"] = status
+            self._entry["answered"] = next(ORDER)
 
     def _read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
@@ -170,6 +196,10 @@ class _Handler(BaseHTTPRequestHandler):
         b: Behaviour = self.server.behaviour
         if b.mode_paths and self.path.split("?")[0] not in b.mode_paths:
             return False
+        if b.mode is not None and b.mode_times is not None:
+            if b.mode_times <= 0:
+                return False
+            b.mode_times -= 1
         if b.mode == "hang":
             while not self.server.stopping.wait(0.05):
                 pass
@@ -275,18 +305,25 @@ class _Handler(BaseHTTPRequestHandler):
             "path": self.path,
             "headers": dict(self.headers),
             "body": body,
+            "arrived": next(ORDER),
         }
         self.server.behaviour.requests.append(self._entry)
 
     # -- routes -----------------------------------------------------------------------------
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._record("GET", b"")
-        if self._control_route("GET", b""):
+        if (
+            self._control_route("GET", b"")
+            or self.path == "/stand-in/generations"
+            and (self._generation_route("GET", b""))
+        ):
             return
         if self._misbehave() or not self._authorised():
             return
         b: Behaviour = self.server.behaviour
         path = self.path.split("?")[0]
+        if self._generation_route("GET", b""):
+            return None
         if b.profile == "vllm":
             if path == "/health":
                 return self._send_empty(200)
@@ -332,6 +369,14 @@ class _Handler(BaseHTTPRequestHandler):
             status, body = 400, {"success": False, "message": f"{exc}"}
         return self._send_json(status, body)
 
+    def _generation_route(self, method: str, body: bytes) -> bool:
+        """Serve a route of fake_generation.py (generations, pauses, versions); True if served."""
+        answer = self.server.behaviour.generations().route(method, self.path, body)
+        if answer is None:
+            return False
+        self._send_json(*answer)
+        return True
+
     def _send_raw(self, status: int, body: bytes) -> None:
         self._answering(status)
         self.send_response(status)
@@ -342,12 +387,18 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         body = self._read_body()
         self._record("POST", body)
-        if self._control_route("POST", body):
+        if (
+            self._control_route("POST", body)
+            or self.path == "/stand-in/finish"
+            and (self._generation_route("POST", body))
+        ):
             return
         if self._misbehave() or not self._authorised():
             return
         b: Behaviour = self.server.behaviour
         path = self.path.split("?")[0]
+        if self._generation_route("POST", body):
+            return None
         try:
             doc = json.loads(body or b"null")
         except ValueError:
@@ -358,7 +409,8 @@ class _Handler(BaseHTTPRequestHandler):
             if doc["method"] != "update_weights_from_ipc":
                 return self._send_json(500, {"error": f"unknown method {doc['method']}"})
             handles = (doc.get("args") or [{}])[0]
-            return self._apply_update(handles, doc, vllm=True)
+            with b.generations().updating():
+                return self._apply_update(handles, doc, vllm=True)
         if b.profile != "vllm" and path == "/update_weights_from_ipc":
             if not isinstance(doc, dict) or not isinstance(doc.get("zmq_handles"), dict):
                 return self._send_json(
@@ -370,7 +422,8 @@ class _Handler(BaseHTTPRequestHandler):
                         "code": 400,
                     },
                 )
-            return self._apply_update(doc["zmq_handles"], doc, vllm=False)
+            with b.generations().updating():  # (SGLang's writer lock: after every generation)
+                return self._apply_update(doc["zmq_handles"], doc, vllm=False)
         if b.profile != "vllm" and path == "/weights_checker":
             return self._weights_checker(SGLANG_PROFILES[b.profile], doc, method="POST")
         return self._send_json(404, {"detail": "Not Found"})
@@ -399,6 +452,14 @@ class _Handler(BaseHTTPRequestHandler):
         b.weights_loaded = True
         if vllm:
             return self._send_json(200, {"results": [None]})
+        refused = b.generations().flush_refusal(doc.get("flush_cache", True))
+        if refused == "crash":  # (SGLang before 0.5.22 asserts: the server is gone)
+            b.mode, b.mode_paths, b.mode_times = "reset", (), None
+            self.close_connection = True
+            self.connection.close()
+            return None
+        if refused is not None:  # (0.5.22+: the weights are in, the version is not)
+            return self._send_json(400, {"success": False, "message": refused})
         message = "IPC weight update completed successfully"
         if doc.get("weight_version") is not None:
             b.weight_version = str(doc["weight_version"])

@@ -40,7 +40,8 @@ def test_the_widest_command_still_fits_in_one_tick() -> None:
         texts["checkpoint_path"] = texts["trace"] = "/" + char * (TEXT_BOUNDS["trace"] - 1)
         command = ServeCommand(
             action="rollback", seq=MAX_SEQ - 1, restores=MAX_SEQ - 1,
-            consume_shm_files=False, verify=False, allow_layout_change=False, **texts,
+            consume_shm_files=False, verify=False, allow_layout_change=False,
+            pause="in_place", **texts,
         )  # fmt: skip
         data = command.to_json()
         assert len(data) <= MAX_COMMAND_BYTES, len(data)
@@ -151,3 +152,17 @@ def test_the_other_ranks_refuse_what_is_not_a_command() -> None:
         with pytest.raises(BadCommand):
             ServeCommand.from_json(data)
     assert set(ACTIONS) == {*CLIENT_FIELDS, "restore"}
+
+
+def test_a_push_s_pause_is_one_of_the_modes() -> None:
+    """push --pause: a PauseMode's value or nothing (the job's own); anything else is refused
+    at the socket (its engine's modes are the loop's to check: transfer/pausing.pause_refusal)."""
+    assert ServeCommand.from_request("push", {"checkpoint_path": "/c", "pause": "keep"}).pause
+    assert ServeCommand.from_request("push", {"checkpoint_path": "/c"}).pause is None
+    for bad in ("bogus", "", 3, ["retract"], {"mode": "retract"}):
+        assert "pause must be one of none, abort, retract" in refused(
+            "push", {"checkpoint_path": "/c", "pause": bad}
+        ), bad
+    assert "unknown fields ['pause']" in refused(
+        "stage", {"checkpoint_path": "/c", "pause": "abort"}
+    )

@@ -1,0 +1,363 @@
+"""The job's half of `--pause` (the HTTP half is server_pause.py): every server a job feeds is
+paused before the transfer and resumed after it, as one transaction, and never left paused.
+
+- check (each group's leader, once its server answers): the server's version honours the mode,
+  or the push is refused (exit 1) before any weight is sent;
+- pause (stage "pause"): each leader pauses its own server, then every rank meets (a barrier):
+  no server takes weights while another is still being paused (SGLang #25319: a pause that
+  comes while an update waits for the writer lock deadlocks it);
+- the transfer, the weight version read back, --verify;
+- resume (stage "resume"): `update` and `join` once every rank is done (a barrier); a serve job
+  once the push AND the restore after a failed one are over on every rank (`after_command`),
+  so that no server serves again before every server is whole, and every rank's outcome is
+  shared, so that the push names a server that did not resume;
+- every other way out - a failure, a deadline, a peer's abort, a signal, a stop, the job's end -
+  runs the watchdog's exit hook (`resume_on_exit`): it resumes what this rank paused and, while
+  a pause is in force, every server of this rank's node (they are known from the flags), as a
+  backup for a leader that was killed outright.
+
+With --pause none nothing is paused, and the wait for the generations in flight (SGLang's update
+takes its writer lock first) is the "drain" stage (DrainWatch): from the update's request until
+the server's worker connects to take the weights.
+
+Limits (docs/pause-contract.md): a server whose node has no rank left (the node died, or a job of
+one rank got SIGKILL) stays paused until someone resumes it (`resume_by_hand`); a pause whose
+answer never came (a timeout) may take effect after the resume was sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ckptctl import server_pause
+from ckptctl.errors import ExitCode, OperationFailed, print_error
+from ckptctl.job.coordination import PAST_DEADLINE_S
+from ckptctl.settings import PAUSE_MODES, PauseMode
+
+if TYPE_CHECKING:
+    from ckptctl.inference_server import ServerAddress
+    from ckptctl.job.groups import GroupAssignment, ServerTargets
+    from ckptctl.job.runner import Job
+    from ckptctl.launch import LaunchInfo
+    from ckptctl.progress import Reporter, StageFigures
+
+# How long a resume may take (its retries included) after a push, and on the way out of a rank
+# that is ending (torchrun gives a rank 30 s between its SIGTERM and its SIGKILL).
+RESUME_BUDGET_S = 30.0
+EXIT_RESUME_BUDGET_S = 10.0
+DRAIN_POLL_S = 0.005
+
+
+def utc(when: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
+
+
+def node_servers(servers: ServerTargets, launch: LaunchInfo) -> list[ServerAddress]:
+    """The servers of this rank's node, as its leaders' flags name them."""
+    local = max(launch.local_world_size, 1)
+    first = launch.rank - launch.rank % local
+    found: list[ServerAddress] = []
+    for leader in range(first, min(first + local, launch.world_size)):
+        if leader % max(servers.parallel_size, 1) == 0:
+            address = servers.assign(replace(launch, rank=leader)).address
+            if address is not None and address not in found:
+                found.append(address)
+    return found
+
+
+class ServerPauses:
+    """What this rank has paused and must resume. Every rank of a job keeps one, alike: a leader
+    pauses its own server; every rank knows whether a pause is in force, and which servers its
+    node has (the backup on its way out)."""
+
+    def __init__(
+        self,
+        servers: ServerTargets,
+        launch: LaunchInfo,
+        *,
+        default: PauseMode = PauseMode.none,
+        resume_in_transfer: bool = True,
+    ) -> None:
+        self.engine = servers.engine
+        self.default = default  # serve --pause (a push may ask for another)
+        self.resume_in_transfer = resume_in_transfer  # update, join; serve: after_command
+        self.node_servers = node_servers(servers, launch)
+        self._lock = threading.Lock()
+        self.mode: PauseMode | None = None  # in force, from the pause stage until the resume
+        self.since: float | None = None  # (time.time) when it was paused, for `status`
+        self.last_mode: PauseMode | None = None
+        # The servers this rank (a leader) sent a pause to and has not resumed: a pause that
+        # got no answer may still take effect, so it is resumed all the same.
+        self.paused: list[ServerAddress] = []
+        self.version: str | None = None  # this leader's server's, read by `check`
+        self.retry = False  # serve: a resume failed on some rank; the next command retries
+
+    @classmethod
+    def attach(cls, job: Job, servers: ServerTargets, **kw: Any) -> ServerPauses:
+        """One for this rank, resumed by the watchdog's exit hook whatever ends the rank."""
+        pauses = cls(servers, job.launch, **kw)
+        job.watchdog.add_exit_hook(pauses.resume_on_exit)
+        return pauses
+
+    # -- before the transfer -----------------------------------------------------------------
+    def check(self, job: Job, assignment: GroupAssignment, mode: PauseMode) -> None:
+        """A leader: refuse (exit 1) a mode its server's version cannot honour, before any
+        weight is sent. Nothing to ask while a pause is in force (a restore within the push)."""
+        address = assignment.address
+        if mode is PauseMode.none or address is None or self.mode is not None:
+            return
+        import httpx
+
+        from ckptctl.inference_server import describe_failure
+
+        timeout = min(server_pause.VERSION_TIMEOUT_S, max(job.watchdog.remaining(), 0.1))
+        try:
+            version = server_pause.read_version(address, self.engine, timeout)
+        except httpx.HTTPError as exc:
+            raise OperationFailed(
+                f"reading the version of {address.describe()} (for --pause {mode}) failed: "
+                f"{describe_failure(exc, address, timeout)}"
+            ) from None
+        problem = server_pause.version_problem(self.engine, mode, version)
+        if problem is not None:
+            others = [m.value for m in PAUSE_MODES[self.engine] if m is not mode]
+            raise OperationFailed(
+                f"{address.describe()} runs {self.engine} {version or '(no version read)'}, "
+                f"which {problem}: --pause {mode} is refused before anything is sent (upgrade "
+                f"the server, or use --pause {' or '.join(others)})"
+            )
+        self.version = version
+
+    def pause(self, job: Job, assignment: GroupAssignment, mode: PauseMode) -> None:
+        """The "pause" stage: each leader pauses its server, then every rank waits for every
+        server to be paused. A no-op while a pause is in force (a restore keeps the push's)."""
+        if mode is PauseMode.none or self.mode is not None:
+            return
+        with job.reporter.stage("pause", f"pausing generation ({mode})") as st:
+            with self._lock:
+                self.mode = self.last_mode = mode
+                self.since = time.time()
+            address = assignment.address
+            if address is not None and address in self.paused:
+                st.detail = f"{address.describe()}: still paused (a resume failed before)"
+            elif address is not None:
+                with self._lock:
+                    self.paused.append(address)  # before it is sent (see `paused`)
+                left = job.watchdog.remaining()
+                timeout = max(left - min(PAST_DEADLINE_S, left / 4), 0.1)
+                server_pause.pause(address, self.engine, mode, timeout)
+                st.detail = f"{address.describe()}: paused ({mode})"
+            job.barrier("servers-paused")
+
+    def flush_cache(self, mode: PauseMode) -> bool:
+        """Whether the update asks SGLang to flush its cache (server_pause.flush_cache), for the
+        pause in force (a restore's request carries no mode of its own)."""
+        return server_pause.flush_cache(self.engine, self.mode or mode, self.version)
+
+    # -- after it ---------------------------------------------------------------------------
+    def finish(self, job: Job) -> None:
+        """update, join: once every rank is done (read back, verified), each leader resumes its
+        server; one that does not resume fails the command (its generation stays paused)."""
+        if self.mode is None:
+            return
+        job.barrier("servers-whole")
+        errors, _ = self.resume_own(job.reporter)
+        if errors:
+            raise OperationFailed(f"the weights went in, but {'; '.join(errors)}")
+
+    def resume_own(self, reporter: Reporter) -> tuple[list[str], StageFigures | None]:
+        """The "resume" stage on a leader that paused its server: (errors, the stage's figures);
+        the pause is no longer in force on this rank either way."""
+        with self._lock:
+            targets = list(self.paused)
+            self.mode = None
+        if not targets:
+            return [], None
+        errors: list[str] = []
+        with reporter.stage("resume", "resuming generation") as st:
+            for address in targets:
+                try:
+                    attempts = server_pause.resume(address, self.engine, budget_s=RESUME_BUDGET_S)
+                except server_pause.ResumeFailed as exc:
+                    hand = server_pause.resume_by_hand(address, self.engine)
+                    errors.append(f"{exc}; it stays paused: resume it by hand ({hand})")
+                    continue
+                with self._lock:  # (unless the exit hook took it meanwhile)
+                    if address in self.paused:
+                        self.paused.remove(address)
+                more = f" ({attempts} attempts)" if attempts > 1 else ""
+                st.detail = f"{address.describe()}: resumed{more}"
+            if errors:
+                st.detail = errors[-1]
+        return errors, st
+
+    def resume_on_exit(self) -> None:
+        """The watchdog's exit hook (and run_job's end): whatever ended this rank, resume what it
+        paused and, while a pause is in force, every server of its node (another rank's own
+        may have been killed outright; resuming is idempotent). Bounded: EXIT_RESUME_BUDGET_S
+        for all of them together."""
+        with self._lock:
+            targets = list(self.paused)
+            if self.mode is not None:
+                targets += [a for a in self.node_servers if a not in targets]
+            self.paused, self.mode = [], None
+        failed = resume_all(targets, self.engine, EXIT_RESUME_BUDGET_S)
+        for address, why in failed.items():
+            hand = server_pause.resume_by_hand(address, self.engine)
+            print_error(f"{why}; it stays paused: resume it by hand ({hand})")
+
+    def describe(self) -> dict[str, Any] | None:
+        """What `status` says while servers are paused: the mode, since when, which servers
+        (this node's while a command holds them paused; after a failed resume, those left)."""
+        with self._lock:
+            if self.mode is not None:
+                servers, left = self.node_servers, False
+            elif self.paused:
+                servers, left = self.paused, True
+            else:
+                return None
+            return {
+                "mode": str(self.mode or self.last_mode),
+                "since": utc(self.since) if self.since else None,
+                "seconds": round(time.time() - self.since, 1) if self.since else None,
+                "servers": [a.describe() for a in servers],
+                "resume_failed": left,
+            }
+
+
+def resume_all(targets: list[ServerAddress], engine: str, budget_s: float) -> dict[Any, str]:
+    """Resume every server in `targets` side by side, within `budget_s` in all; the reason for
+    each that did not resume."""
+    failed: dict[Any, str] = {}
+
+    def one(address: ServerAddress) -> None:
+        try:
+            server_pause.resume(address, engine, budget_s=budget_s)
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the server stays paused
+            failed[address] = str(exc) or type(exc).__name__
+
+    threads = [threading.Thread(target=one, args=(a,), daemon=True) for a in targets]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + budget_s + 1.0
+    for address, t in zip(targets, threads, strict=True):
+        t.join(max(end - time.monotonic(), 0.0))
+        if t.is_alive():
+            failed[address] = f"{address.describe()} did not answer the resume in time"
+    return failed
+
+
+def after_command(
+    pauses: ServerPauses | None,
+    job: Job,
+    channel: Any,
+    command: Any,
+    merged: dict[str, Any],
+    stages: list[Any],
+    timeout_s: float,
+) -> None:
+    """The serve loop's half, once a command and the restore after it are over on every rank:
+    every leader resumes its server, and the ranks share how it went (`channel.gather` within
+    `timeout_s` and the resume's budget, on every rank alike), so that the answer names a server
+    that did not resume. A push whose weights went in whole but that left a server paused fails
+    (exit 1), its weights still recorded as whole. The resume's stage joins the ranks' figures
+    (and trace) and, on rank 0, `stages` (the metrics')."""
+    if pauses is None or command.action == "stage":
+        return
+    mode = PauseMode(command.pause or pauses.default)
+    if mode is PauseMode.none and not pauses.retry:
+        return
+    errors, stage = pauses.resume_own(job.reporter)
+    mine: dict[str, Any] = {"rank": job.launch.rank, "errors": errors, "stage": None}
+    if stage is not None:
+        mine["stage"] = stage.as_json()
+        if command.trace:
+            from ckptctl.observe import timeline
+
+            spans = timeline.rank_events(job.launch.rank, [stage], [])
+            mine["trace_events"] = [e for e in spans if e["ph"] == "X"]
+        if job.launch.rank == 0 and not any(st is stage for st in stages):
+            stages.append(stage)  # (after a restore, the reporter kept it in the restore's)
+    docs = channel.gather(mine, timeout_s + RESUME_BUDGET_S)
+    for doc in docs:
+        for result in merged.get("ranks") or []:
+            if result.get("rank") != doc.get("rank"):
+                continue
+            if doc.get("stage") and isinstance(result.get("figures"), dict):
+                result["figures"].setdefault("stages", {})["resume"] = doc["stage"]
+            if doc.get("trace_events") and isinstance(result.get("trace_events"), list):
+                result["trace_events"] += doc["trace_events"]
+    failed = [e for doc in docs for e in doc.get("errors") or []]
+    pauses.retry = bool(failed)
+    if not failed:
+        return
+    merged["not_resumed"] = failed
+    said = "; ".join(failed)
+    if merged.get("ok"):
+        merged.update(
+            ok=False,
+            exit_code=int(ExitCode.FAILED),
+            whole_but_paused=True,  # (JobStatus records the weights as whole all the same)
+            error=f"the weights went in whole, but {said} (the job tries again after its next "
+            "command and when it stops)",
+        )
+    else:
+        merged["error"] = f"{merged.get('error')}; and {said}"
+
+
+class DrainWatch:
+    """--pause none: the "drain" stage, from the update's request until the server's worker
+    connects to take the weights - SGLang's update first waits for every generation in flight
+    (its writer lock); it ends with the request's answer where no worker connects first."""
+
+    def __init__(self, reporter: Reporter, connected: Callable[[], bool]) -> None:
+        self.reporter = reporter
+        self.connected = connected
+        self.seconds: float | None = None
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Around the update's request (the leader's request thread)."""
+        answered = threading.Event()
+
+        def watch() -> None:
+            label = "waiting for the generations in flight (until the server takes the weights)"
+            with self.reporter.stage("drain", label) as st:
+                while not answered.wait(DRAIN_POLL_S):
+                    with contextlib.suppress(Exception):
+                        if self.connected():
+                            st.detail = "until the server's worker connected"
+                            break
+                else:
+                    st.detail = "until the server answered (no worker connected first)"
+            self.seconds = st.seconds
+
+        thread = threading.Thread(target=watch, name="ckptctl-drain", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            answered.set()
+            thread.join(timeout=5)
+
+
+def pause_refusal(pauses: ServerPauses | None, value: Any) -> str | None:
+    """Why a serve job cannot take a push's `pause` (None: it can): refused at its control
+    socket (a usage error, exit 2) before the push is queued, let alone sent."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in {m.value for m in PauseMode}:
+        return f"pause must be one of {', '.join(m.value for m in PauseMode)}"
+    from ckptctl.errors import UsageError
+    from ckptctl.transfer.request import check_pause
+
+    try:
+        check_pause(PauseMode(value), pauses.engine if pauses else "", flag="pause")
+    except UsageError as exc:
+        return f"{exc}: the serve job's servers are of that kind (serve --engine)"
+    return None
