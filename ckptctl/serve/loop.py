@@ -48,9 +48,15 @@ from ckptctl.serve.commands import (
     push_id_of,
 )
 from ckptctl.serve.control import ControlServer, Handler, default_socket_path
-from ckptctl.serve.push import HARD_GRACE_S, KEPT_WHOLE, PushClock, exchanges_of
+from ckptctl.serve.push import (
+    HARD_GRACE_S,
+    KEPT_WHOLE,
+    PushClock,
+    exchanges_of,
+    resume_after_command,
+)
 from ckptctl.serve.state import PushLog, ServeState
-from ckptctl.transfer.pausing import after_command, pause_refusal
+from ckptctl.transfer.pausing import pause_refusal
 
 Executor = Callable[[Job, ServeCommand], dict[str, Any]]
 
@@ -188,7 +194,7 @@ class JobStatus:
             self.pushes.add(merged)
             if merged["action"] == "stage":
                 return  # read ahead: the server's weights are what they were
-            if merged["ok"] or merged.get("whole_but_paused"):  # (pausing.after_command)
+            if merged["ok"] or merged.get("whole_but_paused"):  # (push.resume_after_command)
                 self.server_weights = "whole"
                 seq = merged.get("restores") or merged["seq"]
                 entry = {
@@ -546,7 +552,9 @@ class ServeLoop:
             self._restore(merged)
         # --pause: every server resumed, now that every one is whole (or restored)
         pauses = self.serve_state.pauses
-        after_command(pauses, self.job, self.channel, command, merged, stages, TICK_TIMEOUT_S)
+        resume_after_command(
+            pauses, self.job, self.channel, command, merged, stages, TICK_TIMEOUT_S
+        )
         if command.trace:
             merged["trace"] = timeline.push_trace(
                 command.trace, merged["ranks"], write_it=self.rank == 0

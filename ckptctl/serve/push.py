@@ -40,10 +40,11 @@ from ckptctl.errors import (
 )
 from ckptctl.job.coordination import describe_abort
 from ckptctl.job.runner import Job
-from ckptctl.serve.commands import ServeCommand
+from ckptctl.serve.commands import CommandChannel, ServeCommand
 from ckptctl.serve.state import ServedLayout, ServeState, Staged
 from ckptctl.settings import PauseMode, RegisterMode, Setting
 from ckptctl.transfer import stages
+from ckptctl.transfer.pausing import RESUME_BUDGET_S, ServerPauses
 from ckptctl.transfer.registration import Registration, for_request
 
 if TYPE_CHECKING:
@@ -509,3 +510,61 @@ def _check_unchanged(state: ServeState, command: ServeCommand, checkpoint: Any) 
         raise InvalidInput(
             f"push {seq}'s checkpoint changed since it was pushed ({change}): not pushing it again"
         )
+
+
+def resume_after_command(
+    pauses: ServerPauses | None,
+    job: Job,
+    channel: CommandChannel,
+    command: ServeCommand,
+    merged: dict[str, Any],
+    stages: list[Any],
+    timeout_s: float,
+) -> None:
+    """The serve loop's half, once a command and the restore after it are over on every rank:
+    every leader resumes its server, and the ranks share how it went (`channel.gather` within
+    `timeout_s` and the resume's budget, on every rank alike), so that the answer names a server
+    that did not resume. A push whose weights went in whole but that left a server paused fails
+    (exit 1), its weights still recorded as whole. The resume's stage joins the ranks' figures
+    (and trace) and, on rank 0, `stages` (the metrics')."""
+    if pauses is None or command.action == "stage":
+        return
+    mode = PauseMode(command.pause or pauses.default)
+    if mode is PauseMode.none and not pauses.retry:
+        return
+    errors, stage = pauses.resume_own(job.reporter)
+    mine: dict[str, Any] = {"rank": job.launch.rank, "errors": errors, "stage": None}
+    if stage is not None:
+        mine["stage"] = stage.as_json()
+        if command.trace:
+            from ckptctl.observe import timeline
+
+            spans = timeline.rank_events(job.launch.rank, [stage], [])
+            mine["trace_events"] = [e for e in spans if e["ph"] == "X"]
+        if job.launch.rank == 0 and not any(st is stage for st in stages):
+            stages.append(stage)  # (after a restore, the reporter kept it in the restore's)
+    docs = channel.gather(mine, timeout_s + RESUME_BUDGET_S)
+    for doc in docs:
+        for result in merged.get("ranks") or []:
+            if result.get("rank") != doc.get("rank"):
+                continue
+            if doc.get("stage") and isinstance(result.get("figures"), dict):
+                result["figures"].setdefault("stages", {})["resume"] = doc["stage"]
+            if doc.get("trace_events") and isinstance(result.get("trace_events"), list):
+                result["trace_events"] += doc["trace_events"]
+    failed = [e for doc in docs for e in doc.get("errors") or []]
+    pauses.retry = bool(failed)
+    if not failed:
+        return
+    merged["not_resumed"] = failed
+    said = "; ".join(failed)
+    if merged.get("ok"):
+        merged.update(
+            ok=False,
+            exit_code=int(ExitCode.FAILED),
+            whole_but_paused=True,  # (JobStatus records the weights as whole all the same)
+            error=f"the weights went in whole, but {said} (the job tries again after its next "
+            "command and when it stops)",
+        )
+    else:
+        merged["error"] = f"{merged.get('error')}; and {said}"

@@ -8,7 +8,8 @@ paused before the transfer and resumed after it, as one transaction, and never l
   comes while an update waits for the writer lock deadlocks it);
 - the transfer, the weight version read back, --verify;
 - resume (stage "resume"): `update` and `join` once every rank is done (a barrier); a serve job
-  once the push AND the restore after a failed one are over on every rank (`after_command`),
+  once the push AND the restore after a failed one are over on every rank
+  (serve/push.py, `resume_after_command`),
   so that no server serves again before every server is whole, and every rank's outcome is
   shared, so that the push names a server that did not resume;
 - every other way out - a failure, a deadline, a peer's abort, a signal, a stop, the job's end -
@@ -35,7 +36,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckptctl import server_pause
-from ckptctl.errors import ExitCode, OperationFailed, print_error
+from ckptctl.errors import OperationFailed, print_error
 from ckptctl.job.coordination import PAST_DEADLINE_S
 from ckptctl.settings import PAUSE_MODES, PauseMode
 
@@ -85,7 +86,7 @@ class ServerPauses:
     ) -> None:
         self.engine = servers.engine
         self.default = default  # serve --pause (a push may ask for another)
-        self.resume_in_transfer = resume_in_transfer  # update, join; serve: after_command
+        self.resume_in_transfer = resume_in_transfer  # update, join; serve: after the command
         self.node_servers = node_servers(servers, launch)
         self._lock = threading.Lock()
         self.mode: PauseMode | None = None  # in force, from the pause stage until the resume
@@ -250,64 +251,6 @@ def resume_all(targets: list[ServerAddress], engine: str, budget_s: float) -> di
         if t.is_alive():
             failed[address] = f"{address.describe()} did not answer the resume in time"
     return failed
-
-
-def after_command(
-    pauses: ServerPauses | None,
-    job: Job,
-    channel: Any,
-    command: Any,
-    merged: dict[str, Any],
-    stages: list[Any],
-    timeout_s: float,
-) -> None:
-    """The serve loop's half, once a command and the restore after it are over on every rank:
-    every leader resumes its server, and the ranks share how it went (`channel.gather` within
-    `timeout_s` and the resume's budget, on every rank alike), so that the answer names a server
-    that did not resume. A push whose weights went in whole but that left a server paused fails
-    (exit 1), its weights still recorded as whole. The resume's stage joins the ranks' figures
-    (and trace) and, on rank 0, `stages` (the metrics')."""
-    if pauses is None or command.action == "stage":
-        return
-    mode = PauseMode(command.pause or pauses.default)
-    if mode is PauseMode.none and not pauses.retry:
-        return
-    errors, stage = pauses.resume_own(job.reporter)
-    mine: dict[str, Any] = {"rank": job.launch.rank, "errors": errors, "stage": None}
-    if stage is not None:
-        mine["stage"] = stage.as_json()
-        if command.trace:
-            from ckptctl.observe import timeline
-
-            spans = timeline.rank_events(job.launch.rank, [stage], [])
-            mine["trace_events"] = [e for e in spans if e["ph"] == "X"]
-        if job.launch.rank == 0 and not any(st is stage for st in stages):
-            stages.append(stage)  # (after a restore, the reporter kept it in the restore's)
-    docs = channel.gather(mine, timeout_s + RESUME_BUDGET_S)
-    for doc in docs:
-        for result in merged.get("ranks") or []:
-            if result.get("rank") != doc.get("rank"):
-                continue
-            if doc.get("stage") and isinstance(result.get("figures"), dict):
-                result["figures"].setdefault("stages", {})["resume"] = doc["stage"]
-            if doc.get("trace_events") and isinstance(result.get("trace_events"), list):
-                result["trace_events"] += doc["trace_events"]
-    failed = [e for doc in docs for e in doc.get("errors") or []]
-    pauses.retry = bool(failed)
-    if not failed:
-        return
-    merged["not_resumed"] = failed
-    said = "; ".join(failed)
-    if merged.get("ok"):
-        merged.update(
-            ok=False,
-            exit_code=int(ExitCode.FAILED),
-            whole_but_paused=True,  # (JobStatus records the weights as whole all the same)
-            error=f"the weights went in whole, but {said} (the job tries again after its next "
-            "command and when it stops)",
-        )
-    else:
-        merged["error"] = f"{merged.get('error')}; and {said}"
 
 
 class DrainWatch:
