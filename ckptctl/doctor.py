@@ -454,7 +454,7 @@ def server_addresses(
 class Identity:
     """What a server answered as: engine None where it is down or neither."""
 
-    engine: str | None
+    engine: ServerKind | None
     check: Check
 
 
@@ -504,7 +504,7 @@ def identify(address: ServerAddress, timeout: float) -> Identity:
                 waiting = " (it waits for its first weights)" if ping.http_status == 503 else ""
                 if version is None:  # SGLang's routes, but not its answer
                     return Identity(
-                        "sglang",
+                        ServerKind.sglang,
                         problem(
                             "server",
                             f"{where} answers like SGLang, but {status}",
@@ -514,7 +514,7 @@ def identify(address: ServerAddress, timeout: float) -> Identity:
                         ),
                     )
                 said = f"{where} answers like SGLang: {status}{waiting}"  # (bounded, one line)
-                return Identity("sglang", ok("server", said, engine="sglang", **extra))
+                return Identity(ServerKind.sglang, ok("server", said, engine="sglang", **extra))
             health = client.get("/health").status_code
             rpc = client.post("/collective_rpc", json={}, headers=headers).status_code
     except httpx.HTTPError as exc:
@@ -523,7 +523,7 @@ def identify(address: ServerAddress, timeout: float) -> Identity:
         return fail(f"refused the API key on /collective_rpc (HTTP {rpc})", key_fix)
     if health != 404 and rpc != 404:
         return Identity(
-            "vllm",
+            ServerKind.vllm,
             ok(
                 "server",
                 f"{where} answers like vLLM (/health HTTP {health}, /collective_rpc in dev "
@@ -544,7 +544,7 @@ def identify(address: ServerAddress, timeout: float) -> Identity:
     )
 
 
-def check_weights_checker(address: ServerAddress, engine: str, timeout: float) -> Check:
+def check_weights_checker(address: ServerAddress, engine: ServerKind, timeout: float) -> Check:
     """Which of --verify's actions the server's weights checker offers (verify.probe)."""
     from ckptctl.errors import CkptctlError
     from ckptctl.weights_checker import CHECKER_PATH, CHECKSUM, COMPARE_CHECKSUM, Checker, probe
@@ -623,7 +623,7 @@ def server_checks(
     return checks
 
 
-def check_pause(address: ServerAddress, engine: str, mode: str, timeout: float) -> Check:
+def check_pause(address: ServerAddress, engine: ServerKind, mode: str, timeout: float) -> Check:
     """doctor --pause MODE: whether the server offers what the mode needs (its version, its
     routes), asked without pausing it (server_pause.probe_routes)."""
     import httpx

@@ -248,7 +248,7 @@ VLLM_DEV_MODE_HINT = (
 
 
 def update_request(
-    engine: str,
+    engine: ServerKind,
     handles: dict[str, str],
     *,
     weight_version: str | None,
@@ -277,7 +277,7 @@ class UpdateRefused(Exception):
 
 def push_update(
     address: ServerAddress,
-    engine: str,
+    engine: ServerKind,
     handles: dict[str, str],
     *,
     weight_version: str | None,

@@ -36,7 +36,7 @@ from ckptctl.inference_server import (
     parse_json_object,
     server_message,
 )
-from ckptctl.settings import PauseMode
+from ckptctl.settings import PauseMode, ServerKind
 
 Release = tuple[int, ...]
 
@@ -85,7 +85,7 @@ def release(version: str | None) -> Release | None:
     return tuple(int(n) for n in found.group(1).split(".")) if found else None
 
 
-def version_problem(engine: str, mode: PauseMode, version: str | None) -> str | None:
+def version_problem(engine: ServerKind, mode: PauseMode, version: str | None) -> str | None:
     """Why a server of `engine` at `version` cannot honour `mode` (None: it can). A version that
     cannot be read passes for abort (every server with the route aborts; one without answers
     404), and fails for the modes a server might silently turn into an abort."""
@@ -101,7 +101,7 @@ def version_problem(engine: str, mode: PauseMode, version: str | None) -> str | 
     return next((why for below, why in rules if numbers < below), None)
 
 
-def flush_cache(engine: str, mode: PauseMode, version: str | None) -> bool:
+def flush_cache(engine: ServerKind, mode: PauseMode, version: str | None) -> bool:
     """Whether SGLang's update is asked to flush the radix cache. The flush needs an idle server:
     requests held in place always refuse it, retracted ones (queued) on 0.5.10-0.5.20; a
     refused flush ends the server up to 0.5.21 and answers 400 (weights applied, the version
@@ -117,7 +117,7 @@ def flush_cache(engine: str, mode: PauseMode, version: str | None) -> bool:
 
 
 def read_version(
-    address: ServerAddress, engine: str, timeout: float = VERSION_TIMEOUT_S
+    address: ServerAddress, engine: ServerKind, timeout: float = VERSION_TIMEOUT_S
 ) -> str | None:
     """The version the server reports (None where it reports none). Raises OperationFailed when
     it refuses the API key, httpx.HTTPError when it does not answer."""
@@ -142,14 +142,14 @@ def _refused_key(response: httpx.Response, address: ServerAddress, path: str) ->
         )
 
 
-def pause_request(engine: str, mode: PauseMode) -> tuple[str, dict[str, str] | None, Any]:
+def pause_request(engine: ServerKind, mode: PauseMode) -> tuple[str, dict[str, str] | None, Any]:
     """(path, query parameters, JSON body) of the pause: vLLM reads a query string only."""
     if engine == "vllm":
         return PAUSE_PATHS[engine], {"mode": mode.value}, None
     return PAUSE_PATHS[engine], None, {"mode": mode.value}
 
 
-def pause(address: ServerAddress, engine: str, mode: PauseMode, timeout: float) -> None:
+def pause(address: ServerAddress, engine: ServerKind, mode: PauseMode, timeout: float) -> None:
     """Pause the server's generation in `mode`; returns once the server says it is paused
     (abort and vLLM's wait: once its generations in flight have ended). Raises OperationFailed
     when it refuses, DeadlineExceeded when it does not answer within `timeout`."""
@@ -183,7 +183,7 @@ class ResumeFailed(OperationFailed):
 
 def resume(
     address: ServerAddress,
-    engine: str,
+    engine: ServerKind,
     *,
     budget_s: float,
     sleep: Any = time.sleep,
@@ -217,12 +217,14 @@ def resume(
     raise ResumeFailed(f"{address.describe()} did not resume its generation ({tries}): {why}")
 
 
-def resume_by_hand(address: ServerAddress, engine: str) -> str:
+def resume_by_hand(address: ServerAddress, engine: ServerKind) -> str:
     """What an operator runs to resume a server ckptctl could not."""
     return f"POST {address.describe()}{RESUME_PATHS[engine]}"
 
 
-def probe_routes(address: ServerAddress, engine: str, mode: PauseMode, timeout: float) -> str:
+def probe_routes(
+    address: ServerAddress, engine: ServerKind, mode: PauseMode, timeout: float
+) -> str:
     """Whether the server offers what `mode` needs, asked without side effects: its version (the
     gate), then a GET on each route - SGLang answers 405 on a POST-only route it has and 404 on
     one it lacks; vLLM answers GET /is_paused. Returns what it found; raises OperationFailed

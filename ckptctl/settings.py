@@ -44,7 +44,7 @@ class SplitMode(Word):
 class RegisterMode(Word):
     """How a rank's share reaches pinned memory."""
 
-    engine = "engine"  # checkpoint-engine copies it from the file mapping
+    ce_copy = "engine"  # checkpoint-engine copies it from the file mapping (--register-mode engine)
     direct = "direct"  # read straight into buffers pinned in place (pinning.py)
     consume = "consume"  # --consume-shm-files: /dev/shm files pinned in place, then deleted
 
@@ -122,7 +122,7 @@ class PauseMode(Word):
 
 
 # The modes each kind of server (--engine) has.
-PAUSE_MODES: dict[str, tuple[PauseMode, ...]] = {
+PAUSE_MODES: dict[ServerKind, tuple[PauseMode, ...]] = {
     ServerKind.sglang: (PauseMode.none, PauseMode.abort, PauseMode.retract, PauseMode.in_place),
     ServerKind.vllm: (PauseMode.none, PauseMode.abort, PauseMode.wait, PauseMode.keep),
 }

@@ -21,7 +21,7 @@ from ckptctl.cli._options import (
     at_least,
 )
 from ckptctl.cli._output import Output
-from ckptctl.errors import DeadlineExceeded, UsageError, redact
+from ckptctl.errors import DeadlineExceeded, redact
 from ckptctl.settings import ReadyCondition, ServerKind
 
 # Without a terminal, a line at least this often while nothing changes, so that a log shows
@@ -95,11 +95,11 @@ def wait_ready_command(
     from rich.text import Text
 
     from ckptctl.inference_server import ServerAddress, check_endpoint
+    from ckptctl.job.groups import check_weight_version
     from ckptctl.readiness import Prober, wait_ready
 
     out = Output(json_mode=json_output, quiet=quiet)
-    if weight_version is not None and engine is ServerKind.vllm:
-        raise UsageError("--weight-version needs --engine sglang: vLLM reports no weight version")
+    check_weight_version(engine, weight_version)
     address = ServerAddress(endpoint=check_endpoint(endpoint), uds=uds, api_key=api_key)
     goal = f"{for_.value}" + (f" with weight version {weight_version!r}" if weight_version else "")
     out.log(f"waiting up to {timeout:g}s (--timeout) for {address.describe()} to be {goal}")

@@ -15,6 +15,7 @@ from ckptctl.defaults import DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
 from ckptctl.inference_server import ServerAddress
 from ckptctl.launch import LaunchInfo
+from ckptctl.settings import ServerKind
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,12 @@ def group_handles(socket_paths: list[tuple[str, str]], members: tuple[int, ...])
     return dict(socket_paths[members[0] : members[-1] + 1])
 
 
+def check_weight_version(kind: ServerKind, weight_version: str | None) -> None:
+    """--weight-version is SGLang's (update, join, serve, wait-ready alike)."""
+    if weight_version is not None and kind is not ServerKind.sglang:
+        raise UsageError("--weight-version needs --engine sglang: vLLM records no weight version")
+
+
 @dataclass(frozen=True)
 class ServerTargets:
     """The inference servers a job feeds (update, join): the flags they share."""
@@ -130,7 +137,7 @@ class ServerTargets:
     endpoints: tuple[str, ...] = (DEFAULT_ENDPOINT,)
     uds: tuple[str, ...] = ()
     api_key: str | None = None
-    engine: str = "sglang"
+    engine: ServerKind = ServerKind.sglang  # (--engine: the servers' kind)
     parallel_size: int = 8
     weight_version: str | None = None
 
@@ -140,14 +147,11 @@ class ServerTargets:
         endpoints: Sequence[str] | None,
         uds: Sequence[str] | None,
         api_key: str | None,
-        engine: str,
+        engine: ServerKind,
         parallel_size: int,
         weight_version: str | None,
     ) -> ServerTargets:
-        if weight_version is not None and engine == "vllm":
-            raise UsageError(
-                "--weight-version needs --engine sglang: vLLM records no weight version"
-            )
+        check_weight_version(engine, weight_version)
         from ckptctl.inference_server import check_endpoint
 
         return cls(

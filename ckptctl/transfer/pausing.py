@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import server_pause
 from ckptctl.errors import OperationFailed, print_error
 from ckptctl.job.coordination import PAST_DEADLINE_S
-from ckptctl.settings import PAUSE_MODES, PauseMode
+from ckptctl.settings import PAUSE_MODES, PauseMode, ServerKind
 
 if TYPE_CHECKING:
     from ckptctl.inference_server import ServerAddress
@@ -231,7 +231,7 @@ class ServerPauses:
             }
 
 
-def resume_all(targets: list[ServerAddress], engine: str, budget_s: float) -> dict[Any, str]:
+def resume_all(targets: list[ServerAddress], engine: ServerKind, budget_s: float) -> dict[Any, str]:
     """Resume every server in `targets` side by side, within `budget_s` in all; the reason for
     each that did not resume."""
     failed: dict[Any, str] = {}
@@ -300,7 +300,7 @@ def pause_refusal(pauses: ServerPauses | None, value: Any) -> str | None:
     from ckptctl.transfer.request import check_pause
 
     try:
-        check_pause(PauseMode(value), pauses.engine if pauses else "", flag="pause")
+        check_pause(PauseMode(value), pauses.engine if pauses else None, flag="pause")
     except UsageError as exc:
         return f"{exc}: the serve job's servers are of that kind (serve --engine)"
     return None

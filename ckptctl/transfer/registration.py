@@ -7,7 +7,7 @@ format. The transfer (sequence.py) asks each, in turn:
     register  the share into the parameter server: the "register" stage
     load      before the push, what the session must know of others' weights (a join)
 
-- EngineCopy (--register-mode engine): checkpoint-engine copies the share out of the file
+- CheckpointEngineCopy (--register-mode engine): checkpoint-engine copies the share out of the file
   mapping into buffers it allocates;
 - DirectRead (direct): the share read straight into buffers pinned in place, from the start;
 - ConsumeShm (--consume-shm-files): /dev/shm files pinned in place, then deleted;
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 class Registration:
     """The way of a registration mode: planned with every rank's plan checked alike, no check
-    of its own, no read ahead (EngineCopy and ConsumeShm register from the files)."""
+    of its own, no read ahead (CheckpointEngineCopy and ConsumeShm register from the files)."""
 
     mode: ClassVar[RegisterMode]
     plans: ClassVar[bool] = True
@@ -95,8 +95,8 @@ class Registration:
         return checkpoint.total_bytes
 
 
-class EngineCopy(Registration):
-    mode = RegisterMode.engine
+class CheckpointEngineCopy(Registration):
+    mode = RegisterMode.ce_copy
 
     def _register(
         self,
@@ -192,7 +192,7 @@ class FromMetas(Registration):
 
 
 REGISTRATIONS: dict[RegisterMode, type[Registration]] = {
-    way.mode: way for way in (EngineCopy, DirectRead, ConsumeShm)
+    way.mode: way for way in (CheckpointEngineCopy, DirectRead, ConsumeShm)
 }
 
 

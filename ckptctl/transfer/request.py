@@ -18,6 +18,7 @@ from ckptctl.settings import (
     VERIFY,
     PauseMode,
     RegisterMode,
+    ServerKind,
     Setting,
     SplitMode,
     UpdateMethod,
@@ -75,7 +76,7 @@ class TransferRequest:
 
 # The server flags every command has: --endpoint, --uds, --api-key, --engine and
 # --inference-parallel-size.
-ServerFlags = tuple[Sequence[str] | None, Sequence[str] | None, str | None, str, int]
+ServerFlags = tuple[Sequence[str] | None, Sequence[str] | None, str | None, ServerKind, int]
 
 
 def resolve(
@@ -108,9 +109,9 @@ def resolve(
     return replace(req, register_mode=mode, split=split)
 
 
-def check_pause(mode: PauseMode, engine: str, flag: str = "--pause") -> None:
+def check_pause(mode: PauseMode, engine: ServerKind | None, flag: str = "--pause") -> None:
     """A usage error (exit 2, before anything is sent) for a mode the server's kind lacks."""
-    modes = PAUSE_MODES.get(engine, (PauseMode.none,))
+    modes = PAUSE_MODES[engine] if engine is not None else (PauseMode.none,)
     if mode not in modes:
         raise UsageError(
             f"{flag} {mode} is not one of {engine or 'this job'}'s pause modes: "
@@ -129,7 +130,7 @@ def registration(path: str, mode: RegisterMode, split: SplitMode) -> tuple[Regis
 
 
 def verify_ways(
-    *, verify: bool, round_trip: bool, reset_confirmed: bool, engine: str
+    *, verify: bool, round_trip: bool, reset_confirmed: bool, engine: ServerKind
 ) -> tuple[Verify, ...]:
     """What --verify / --verify-round-trip ask for; a usage error for what cannot work."""
     if reset_confirmed and not round_trip:
@@ -162,7 +163,7 @@ def check_update_flags(
     verify: bool,
     round_trip: bool,
     reset_confirmed: bool,
-    engine: str,
+    engine: ServerKind,
     world_size: int | None,
     nproc_per_node: int | None,
     under_torchrun: bool,

@@ -300,7 +300,7 @@ def file_pages_mapped_since_now() -> Callable[[], int]:
 def wait_for_server(
     job: Job,
     assignment: GroupAssignment,
-    engine: str,
+    engine: ServerKind,
     *,
     limit_s: float | None = None,
     setting: Setting = Setting.timeout,
@@ -572,7 +572,9 @@ def push(
             st.detail += f" ({drained:.2f}s of it the drain: generations in flight first)"
 
 
-def verify_weight_version(job: Job, assignment: GroupAssignment, engine: str, want: str) -> None:
+def verify_weight_version(
+    job: Job, assignment: GroupAssignment, engine: ServerKind, want: str
+) -> None:
     if not assignment.is_leader:
         return
     from ckptctl.inference_server import CONTRACTS, describe_failure, make_client

@@ -140,13 +140,13 @@ def test_consume_takes_whole_files() -> None:
 def test_consume_is_a_register_mode_split_by_files() -> None:
     req = resolve(SERVER, checkpoint_path="/dev/shm/ckptctl-request-test", consume=True)
     assert req.register_mode is RegisterMode.consume and req.split == "files"
-    req = resolve(SERVER, checkpoint_path="/tmp/ckpt", register_mode=RegisterMode.engine)
-    assert req.register_mode is RegisterMode.engine and req.split == "auto"
+    req = resolve(SERVER, checkpoint_path="/tmp/ckpt", register_mode=RegisterMode.ce_copy)
+    assert req.register_mode is RegisterMode.ce_copy and req.split == "auto"
 
 
 def test_drop_page_cache_needs_direct_registration() -> None:
     line = refused(
-        resolve, ExitCode.USAGE, SERVER, register_mode=RegisterMode.engine, drop_page_cache=True
+        resolve, ExitCode.USAGE, SERVER, register_mode=RegisterMode.ce_copy, drop_page_cache=True
     )
     assert line.startswith("--drop-page-cache needs --register-mode direct")
 
