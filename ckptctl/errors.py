@@ -76,8 +76,9 @@ MIN_SECRET_CHARS = 4
 MIN_QUERY_SECRET_CHARS = 8
 _secrets: set[str] = set()
 _PATTERNS = (
-    # A password in a URL: scheme://user:password@host
-    (re.compile(r"(?<=://)([^/@\s:]*):[^/@\s]*@"), rf"\1:{REDACTED}@"),
+    # A password in a URL: scheme://user:password@host. The user info ends at the authority's
+    # last "@", as urlsplit and httpx read it: a password (or user name) may hold an "@".
+    (re.compile(r"(?<=://)([^/?#\s:]*):[^/?#\s]*@"), rf"\1:{REDACTED}@"),
     # The values of a URL's query (?api_key=...): a query is where a pasted URL keeps its key.
     (re.compile(r"(?<=://)([^\s?#'\"]*\?)([^\s#'\")]*)"), lambda m: m[1] + _query_values(m[2])),
     # A credential after its scheme, e.g. a server echoing our Authorization header.

@@ -393,6 +393,16 @@ def _refuse_duplicate(
     raise _fail(root, f"{file} holds a tensor name twice", CORRUPT)  # JSON keys: cannot happen
 
 
+def _missing(path: Path) -> str | None:
+    """Why `path` is not there ("does not exist", "cannot be looked up (...)"), or None. A name
+    too long for the file system, or a folder on the way that this user may not enter, is
+    input to refuse (exit 3), not an internal error: Path.exists raises for those."""
+    try:
+        return None if path.exists() else "does not exist"
+    except OSError as exc:
+        return f"cannot be looked up ({exc.strerror or exc})"
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read and validate every header of the checkpoint at `path` (reads no tensor data).
 
@@ -401,8 +411,9 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     `model.safetensors` is simply a directory of one file.
     """
     root = Path(path)
-    if not root.exists():
-        raise _fail(root, "does not exist", "pass the directory that holds the .safetensors files")
+    missing = _missing(root)
+    if missing:
+        raise _fail(root, missing, "pass the directory that holds the .safetensors files")
     if not root.is_dir():
         action = "pass the directory that holds it" if root.name.endswith(SUFFIX) else ""
         raise _fail(root, "is not a directory", action or "pass a checkpoint directory")
@@ -416,11 +427,12 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         weight_map = _read_index(root, index_name)
         files = sorted(set(weight_map.values()))
         for shard in files:
-            if not (root / shard).exists():
+            missing = _missing(root / shard)
+            if missing:
                 name = min(n for n, s in weight_map.items() if s == shard)
                 raise _fail(
                     root / index_name,
-                    f"maps tensor {name!r} to shard {shard!r}, which does not exist",
+                    f"maps tensor {name!r} to shard {shard!r}, which {missing}",
                     "download the missing shard, or regenerate the index",
                 )
     else:

@@ -153,6 +153,21 @@ def test_an_index_that_is_not_text_is_named_never_quoted(tiny: Path) -> None:
     _quotes_nothing_of(line, b"\xff\xfe" + SECRET)
 
 
+def test_a_name_too_long_for_the_file_system_is_refused_not_an_internal_error(
+    tiny: Path,
+) -> None:
+    """Path.exists raises for a name longer than NAME_MAX (and for a folder on the way that the
+    user may not enter) where it returns False for one that is missing: --checkpoint-path, or
+    a shard an index names, ended as "internal error: OSError" (exit 1), not exit 3."""
+    long_name = "a" * 300  # (NAME_MAX is 255 on every Linux file system)
+    _one_error_line(_dry_run(tiny / long_name), long_name, "cannot be looked up")
+    index = json.loads((tiny / INDEX).read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = f"{long_name}.safetensors"
+    (tiny / INDEX).write_text(json.dumps(index))
+    _one_error_line(_dry_run(tiny), INDEX, f"{long_name}.safetensors", "cannot be looked up")
+
+
 # -- metas files ----------------------------------------------------------------------------
 
 

@@ -99,6 +99,20 @@ def test_redact_takes_out_registered_secrets_and_recognisable_ones() -> None:
     assert redact("about a table") == "about a table"
 
 
+def test_a_url_password_holding_an_at_sign_is_taken_out_whole() -> None:
+    """httpx takes `http://user:p@ss@host` (the password `p@ss`, its `@` not encoded), so a
+    serve job feeds such a server; a client of the job (`status`, ckptctl.client.status())
+    never registered that password, and the pattern alone must take all of it out: it took
+    out `p` and printed `ss@host`. A user name that holds an `@` hid the password whole."""
+    assert redact("at http://alice:unreg1@pw-tail9@127.0.0.1:1/x?q") == (
+        "at http://alice:***@127.0.0.1:1/x?q"
+    )
+    assert redact("http://al@ice:unreg2pw-tail8@h:1 and http://h:2/p/a@b") == (
+        "http://al@ice:***@h:1 and http://h:2/p/a@b"
+    )
+    assert redact("http://h@x:8000/ y@z") == "http://h@x:8000/ y@z"  # (no password)
+
+
 def test_a_url_password_is_registered_as_written_decoded_and_as_basic_auth() -> None:
     register_url_secrets("http://u:p%40ss-word@host")
     basic = base64.b64encode(b"u:p@ss-word").decode()
