@@ -87,6 +87,19 @@ def read_request(conn: socket.socket, deadline: float) -> tuple[str, str, bytes]
             return None
         buf += chunk
     head, _, rest = buf.partition(b"\r\n\r\n")
+    method, path, length = parse_head(head)
+    body = rest
+    while len(body) < length:
+        chunk = _recv(conn, deadline, "request body")
+        if not chunk:
+            return None
+        body += chunk
+    return method, path, body[:length]
+
+
+def parse_head(head: bytes) -> tuple[str, str, int]:
+    """(method, path, the body's length) of a request's head (what comes before its blank
+    line), checked as read_request checks it."""
     if len(head) > MAX_HEADER_BYTES:
         raise HttpError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
     lines = head.decode("latin-1").split("\r\n")
@@ -108,13 +121,7 @@ def read_request(conn: socket.socket, deadline: float) -> tuple[str, str, bytes]
     length = int(lengths[0])
     if length > MAX_BODY_BYTES:
         raise HttpError(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
-    body = rest
-    while len(body) < length:
-        chunk = _recv(conn, deadline, "request body")
-        if not chunk:
-            return None
-        body += chunk
-    return method, target.split("?", 1)[0], body[:length]
+    return method, target.split("?", 1)[0], length
 
 
 def parse_body(body: bytes) -> Any:

@@ -8,14 +8,16 @@ a time that passes is a timestamp gauge (the dashboard computes `time() - ...`),
 is never named after its metric. prometheus_client is imported only here, and only when
 metrics are asked for.
 
-Whatever reaches the port can open connections and send its request a byte at a time, so the
-HTTP server here (MetricsServer, one thread a connection, the control socket's bounded request
-reader) holds at most MAX_SCRAPERS connections, gives each SCRAPE_DEADLINE_S for its whole
-exchange (not for each read), and caps the request's head (small_http.MAX_HEADER_BYTES). A new
-connection to a full server is not refused: it takes the place of the oldest one still
-sending its request once that one has had EVICT_AFTER_S (a scraper sends its request at once,
-so only a slow client is ever cut off), and waits in the listen queue meanwhile. Slow clients
-that reconnect at once cost a few threads and never keep a scraper from its answer.
+Whatever reaches the port can open connections, send its request a byte at a time, or open
+hundreds that send nothing and reconnect the moment they are closed. So the HTTP server here
+(MetricsServer) is one thread over non-blocking sockets that never waits on a client: it takes
+every connection from the listen queue as it comes (a deep one), reads a request the moment
+its bytes arrive, gives each connection SCRAPE_DEADLINE_S for its whole exchange (not for each
+read), caps the request's head (small_http.MAX_HEADER_BYTES), and holds at most
+MAX_CONNECTIONS: a new one takes the place of the oldest still sending its request. A scraper
+sends its request at once and is answered before that can reach it; slow or idle clients only
+ever cut each other off. (A flood of more connections than the room and the listen queue hold
+together can still delay a scrape: the port is for a private network, SECURITY.md.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import selectors
 import socket
 import threading
 import time
@@ -35,10 +38,10 @@ INSTALL_HINT = "pip install 'ckptctl[metrics]'"
 OUTCOMES = ("ok", "rolled_back", "failed", "restored", "refused", "cancelled")
 STATES = ("starting", "idle", "busy", "stopping")
 
-MAX_SCRAPERS = 8  # connections served at once
+MAX_CONNECTIONS = 128  # open at once (each holds at most a request's head: 2 MiB in all)
+LISTEN_BACKLOG = 1024  # connections the kernel queues for us (it caps this at somaxconn)
+ACCEPTS_PER_PASS = 32  # taken from the queue between two reads of the open ones
 SCRAPE_DEADLINE_S = 10.0  # for a connection's whole exchange (Prometheus's default timeout)
-EVICT_AFTER_S = 1.0  # a request still unread this long may make room for a new connection
-CONNECTION_THREAD = "ckptctl-metrics-conn"  # (the name of each connection's thread)
 
 _PUSH_S = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _STAGE_S = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
@@ -231,9 +234,22 @@ class ServeMetrics:
             )
 
 
+class _Connection:
+    """One client: when it connected, its request's bytes so far, then the answer left to send
+    (None while the request is still coming)."""
+
+    __slots__ = ("began", "received", "reply")
+
+    def __init__(self, began: float) -> None:
+        self.began = began
+        self.received = b""
+        self.reply: memoryview | None = None
+
+
 class MetricsServer:
     """GET /metrics over HTTP/1.1, one request a connection, for clients we do not trust (see
-    the module's docstring): `page()` is the answer's body."""
+    the module's docstring): `page()` is the answer's body. One thread, no blocking call on a
+    client's socket."""
 
     def __init__(
         self,
@@ -243,136 +259,144 @@ class MetricsServer:
         content_type: str,
         *,
         deadline_s: float = SCRAPE_DEADLINE_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self._page = page
         self._content_type = content_type
         self._deadline_s = deadline_s
+        self._max_connections = max_connections
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             # (a job started again binds its port while the last one's connections linger)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((host, port))
-            self._sock.listen(64)
+            self._sock.listen(LISTEN_BACKLOG)
+            self._sock.setblocking(False)
         except OSError:
             self._sock.close()
             raise
         self.address = (str(self._sock.getsockname()[0]), int(self._sock.getsockname()[1]))
-        # Every open connection: when it began, while its request is still being read (None
-        # once it is read, or it was cut off: it is not cut off again).
-        self._open: dict[socket.socket, float | None] = {}
-        self._changed = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(
-            target=self._accept_loop, name="ckptctl-metrics", daemon=True
-        )
+        self._open: dict[socket.socket, _Connection] = {}  # (oldest first)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ckptctl-metrics", daemon=True)
         self._thread.start()
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
     def close(self) -> None:
-        with self._changed:
-            self._closed = True
-            for conn in self._open:
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
-            self._changed.notify_all()
+        self._closed.set()  # (the loop looks at least every 0.2 s)
         self._thread.join(timeout=2)
+        if not self._thread.is_alive():
+            for conn in list(self._open):
+                self._drop(conn)
+            self._selector.close()
         self._sock.close()
 
-    def _accept_loop(self) -> None:
-        self._sock.settimeout(0.2)
-        while not self._closed:
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            for key, events in self._selector.select(timeout=0.2):
+                conn = key.fileobj
+                assert isinstance(conn, socket.socket)
+                if conn is self._sock:
+                    self._accept()
+                elif conn in self._open:  # (not dropped earlier in this pass)
+                    self._on_ready(conn, events)
+            self._drop_expired()
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPTS_PER_PASS):
             try:
                 conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.1)  # out of file descriptors, say: do not spin
-                continue
-            began = self._make_room(conn)
-            if began is None:
-                conn.close()
+            except BlockingIOError:
+                return  # the queue is empty
+            except OSError:  # out of file descriptors, say: free one, try again next pass
+                if self._open:
+                    self._drop(self._oldest())
                 return
-            try:
-                threading.Thread(
-                    target=self._serve, args=(conn, began), name=CONNECTION_THREAD, daemon=True
-                ).start()
-            except RuntimeError:  # no thread to be had: this one goes unanswered
-                self._done(conn)
+            if len(self._open) >= self._max_connections:
+                self._drop(self._oldest())
+            conn.setblocking(False)
+            self._open[conn] = _Connection(time.monotonic())
+            self._selector.register(conn, selectors.EVENT_READ)
+            self._on_ready(conn, selectors.EVENT_READ)  # (a scraper's request is often there)
 
-    def _make_room(self, conn: socket.socket) -> float | None:
-        """Wait for a free place among MAX_SCRAPERS, cutting off the oldest connection still
-        sending its request once it has had EVICT_AFTER_S; then give it to `conn`, from now
-        (returned; None: the server closed meanwhile)."""
-        with self._changed:
-            while len(self._open) >= MAX_SCRAPERS and not self._closed:
-                reading = [(began, c) for c, began in self._open.items() if began is not None]
-                wait = 0.2  # (until a connection ends and says so)
-                if reading:
-                    began, oldest = min(reading, key=lambda item: item[0])
-                    wait = began + EVICT_AFTER_S - time.monotonic()
-                    if wait <= 0:
-                        self._open[oldest] = None
-                        with contextlib.suppress(OSError):
-                            oldest.shutdown(socket.SHUT_RDWR)  # its thread ends at once
-                        wait = 0.2
-                self._changed.wait(wait)
-            if self._closed:
-                return None
-            began = self._open[conn] = time.monotonic()
-            return began
+    def _oldest(self) -> socket.socket:
+        """The connection to cut off for room: the oldest still sending its request (a slow
+        client's), or the oldest of all when every one is being answered."""
+        reading = (c for c, state in self._open.items() if state.reply is None)
+        return next(reading, None) or next(iter(self._open))
 
-    def _serve(self, conn: socket.socket, began: float) -> None:
-        from ckptctl.small_http import HttpError, read_request
+    def _on_ready(self, conn: socket.socket, events: int) -> None:
+        from ckptctl.small_http import MAX_HEADER_BYTES, HttpError, parse_head
 
-        deadline = began + self._deadline_s
+        state = self._open[conn]
         try:
-            try:
-                request = read_request(conn, deadline)
-            finally:
-                with self._changed:
-                    self._open[conn] = None  # read (or cut off): not cut off any more
-            if request is None:
-                return  # a client that hung up, or one cut off to make room
-            method, path, _ = request
-            if path != "/metrics":
-                self._answer(conn, HTTPStatus.NOT_FOUND, b"see /metrics\n", deadline)
-            elif method != "GET":
-                self._answer(conn, HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n", deadline)
-            else:
-                self._answer(conn, HTTPStatus.OK, self._page(), deadline, self._content_type)
-        except HttpError as exc:  # a malformed or oversized request, or past its deadline
-            with contextlib.suppress(OSError):
-                self._answer(conn, HTTPStatus(exc.status), f"{exc}\n".encode(), deadline)
+            if state.reply is None and events & selectors.EVENT_READ:
+                chunk = conn.recv(8192)  # (a slow client's head holds at most this past the cap)
+                if not chunk:
+                    self._drop(conn)  # the client hung up
+                    return
+                state.received += chunk
+                head, blank, _ = state.received.partition(b"\r\n\r\n")
+                if blank:
+                    self._reply(conn, state, *parse_head(head)[:2])
+                elif len(state.received) > MAX_HEADER_BYTES:
+                    raise HttpError(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
+            if state.reply is not None:
+                sent = conn.send(state.reply)
+                state.reply = state.reply[sent:]
+                if not state.reply:
+                    self._drop(conn)  # answered
+        except HttpError as exc:  # a malformed or oversized request
+            self._answer(conn, state, HTTPStatus(exc.status), f"{exc}\n".encode())
+        except BlockingIOError:
+            pass  # nothing more to read, or no room to send: the next pass
         except OSError:
-            pass  # the client went away, or stopped reading: nothing to say
-        finally:
-            self._done(conn)
+            self._drop(conn)  # the client went away, or reset
 
-    def _done(self, conn: socket.socket) -> None:
-        conn.close()
-        with self._changed:
-            del self._open[conn]
-            self._changed.notify_all()
+    def _reply(self, conn: socket.socket, state: _Connection, method: str, path: str) -> None:
+        if path != "/metrics":
+            self._answer(conn, state, HTTPStatus.NOT_FOUND, b"see /metrics\n")
+        elif method != "GET":
+            self._answer(conn, state, HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n")
+        else:
+            self._answer(conn, state, HTTPStatus.OK, self._page(), self._content_type)
 
-    @staticmethod
     def _answer(
+        self,
         conn: socket.socket,
+        state: _Connection,
         status: HTTPStatus,
         body: bytes,
-        deadline: float,
         content_type: str = "text/plain; charset=utf-8",
     ) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return  # (a request that ran out of time gets no answer)
+        """Queue the answer: sent as the client takes it, within the connection's deadline."""
         head = (
             f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         )
-        conn.settimeout(left)  # (sendall's timeout bounds the whole of it)
-        conn.sendall(head.encode() + body)
+        state.reply = memoryview(head.encode() + body)
+        self._selector.modify(conn, selectors.EVENT_WRITE)
+
+    def _drop_expired(self) -> None:
+        """Close every connection past its deadline, unanswered (oldest first: stop at the
+        first one still in time)."""
+        now = time.monotonic()
+        for conn, state in list(self._open.items()):
+            if state.began + self._deadline_s > now:
+                return
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        del self._open[conn]
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        conn.close()
 
 
 def start(host: str, port: int) -> ServeMetrics:

@@ -281,27 +281,29 @@ def _slow_client(host: str, port: int, stop: threading.Event, seen: dict[str, in
             seen["cut_off"] += 1
 
 
-def _server_threads() -> int:
-    return sum(t.name == metrics.CONNECTION_THREAD for t in threading.enumerate())
+def _metrics_threads() -> int:
+    return sum(t.name == "ckptctl-metrics" for t in threading.enumerate())
 
 
 def test_slow_clients_never_keep_a_scraper_out() -> None:
-    """16 slow clients (twice the connections served at once), each reconnecting the moment it
-    is cut off, beside a scraper: every scrape gets its page within Prometheus's own default
-    deadline (10 s for the whole exchange), and the server never runs more than MAX_SCRAPERS
-    connection threads."""
+    """16 slow clients (twice the connections a server of 8 holds), each reconnecting the
+    moment it is cut off, beside a scraper: every scrape gets its page within Prometheus's own
+    default deadline (10 s for the whole exchange); the server holds at most its 8
+    connections, on its one thread, cutting the slow ones off for room."""
     from ckptctl.bounded_http import bounded_client
 
-    served = metrics.start("127.0.0.1", 0)
-    host, port = served.address
+    server = metrics.MetricsServer(
+        "127.0.0.1", 0, lambda: b"ckptctl_pushes_total 0\n", "text/plain", max_connections=8
+    )
+    host, port = server.address
     stop, seen = threading.Event(), {"connected": 0, "cut_off": 0}
     peak = [0]
 
-    def watch_threads() -> None:
+    def watch() -> None:
         while not stop.wait(0.01):
-            peak[0] = max(peak[0], _server_threads())
+            peak[0] = max(peak[0], server.open_connections)
 
-    threads = [threading.Thread(target=watch_threads, daemon=True)] + [
+    threads = [threading.Thread(target=watch, daemon=True)] + [
         threading.Thread(target=_slow_client, args=(host, port, stop, seen), daemon=True)
         for _ in range(16)
     ]
@@ -314,13 +316,73 @@ def test_slow_clients_never_keep_a_scraper_out() -> None:
                 page = scraper.get("/metrics")  # (raises at the deadline)
                 assert page.status_code == 200 and "ckptctl_pushes_total" in page.text
                 assert page.headers["content-type"].startswith("text/plain")
-        assert 0 < peak[0] <= metrics.MAX_SCRAPERS, peak
-        assert seen["cut_off"] > 0  # (the slow clients were there, and were cut off for room)
+        # (the slow clients were there, and were cut off for room, not at their deadline)
+        wait_until(lambda: seen["cut_off"] > 0, 5, "a slow client cut off for room")
+        assert 0 < peak[0] <= 8, peak
+        assert _metrics_threads() == 1
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=30)
-        served.close()
+        server.close()
+
+
+# Another process (its own interpreter: the server's thread does not share its GIL) that
+# keeps COUNT connections open to the port, sending nothing, each opened again the moment the
+# server closes it; it prints "flooding" once all are open, then the number of reconnections.
+_FLOODER = """
+import selectors, socket, sys, time
+host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+sel = selectors.DefaultSelector()
+def connect():
+    s = socket.socket(); s.setblocking(False); s.connect_ex((host, port))
+    sel.register(s, selectors.EVENT_READ)
+for _ in range(count):
+    connect()
+print("flooding", flush=True)
+reconnects, reported = 0, time.monotonic()
+while True:
+    for key, _ in sel.select(0.5):
+        try:
+            data = key.fileobj.recv(1)
+        except OSError:
+            data = b""
+        if not data:
+            sel.unregister(key.fileobj); key.fileobj.close(); connect(); reconnects += 1
+    if time.monotonic() - reported > 0.5:
+        print(reconnects, flush=True); reported = time.monotonic()
+"""
+
+
+def test_a_flood_of_idle_connections_never_keeps_a_scraper_out() -> None:
+    """300 connections that send nothing and reconnect the moment they are closed (more than
+    the server holds): every scrape still gets its page within Prometheus's default deadline,
+    and the server cut flood connections off for room (it reconnected them)."""
+    import subprocess
+
+    from ckptctl.bounded_http import bounded_client
+
+    server = metrics.MetricsServer("127.0.0.1", 0, lambda: b"ckptctl_up 1\n", "text/plain")
+    host, port = server.address
+    flooder = subprocess.Popen(
+        [sys.executable, "-c", _FLOODER, host, str(port), "300"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert flooder.stdout is not None
+        assert flooder.stdout.readline().strip() == "flooding"
+        wait_until(lambda: server.open_connections >= metrics.MAX_CONNECTIONS, 30, "a full room")
+        with bounded_client(f"http://{host}:{port}", timeout=10) as scraper:
+            for _ in range(5):
+                page = scraper.get("/metrics")  # (raises at the deadline)
+                assert page.status_code == 200 and page.text == "ckptctl_up 1\n"
+        assert server.open_connections <= metrics.MAX_CONNECTIONS
+        assert int(flooder.stdout.readline()) > 0, "the server never cut a flood connection off"
+    finally:
+        flooder.kill()
+        flooder.wait(timeout=30)
+        server.close()
 
 
 def _ended_by_server(s: socket.socket, timeout: float = 30) -> bytes:
