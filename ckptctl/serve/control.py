@@ -208,35 +208,27 @@ class ControlServer:
                 conn.close()
                 continue
             if uid != os.getuid():
-                self._refuse(conn, uid)
+                error = f"this serve job takes commands from uid {os.getuid()} only, not {uid}"
+                self._refuse(conn, 403, error)
                 continue
             if not self._slots.acquire(blocking=False):
-                with contextlib.suppress(OSError):
-                    send_json(
-                        conn, 503, {"error": f"more than {MAX_CONNECTIONS} connections at once"}
-                    )
-                conn.close()
+                self._refuse(conn, 503, f"more than {MAX_CONNECTIONS} connections at once")
                 continue
             threading.Thread(
                 target=self._serve, args=(conn,), name="ckptctl-control-conn", daemon=True
             ).start()
 
-    def _refuse(self, conn: socket.socket, uid: int) -> None:
-        """Another uid: answered 403 in a thread of its own, its request never parsed."""
+    def _refuse(self, conn: socket.socket, status: int, error: str) -> None:
+        """Another uid (403), or too many connections (503): answered in a thread of its own,
+        the request never parsed but let in (closed unread, the answer would be lost to a
+        reset); past 8 refusals at once, closed unanswered."""
         if not self._refusals.acquire(blocking=False):
             conn.close()
             return
 
         def run() -> None:
             try:
-                send_json(
-                    conn,
-                    403,
-                    {
-                        "ok": False,
-                        "error": f"this serve job takes commands from uid {os.getuid()} only, not {uid}",
-                    },
-                )
+                send_json(conn, status, {"ok": False, "error": error})
                 discard_rest(conn)
             except OSError:
                 pass

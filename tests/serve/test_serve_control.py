@@ -355,6 +355,39 @@ def server(short_tmp: Path) -> Iterator[tuple[str, Calls]]:
     s.close()
 
 
+def test_a_connection_past_the_cap_is_told_so_not_reset(short_tmp: Path) -> None:
+    """With MAX_CONNECTIONS connections open and silent, one more is answered 503 with the
+    reason, though its request (a stop with a body) is never read: the job lets its bytes in
+    before closing, where closing on them reset the connection and lost the answer. Its stop
+    never reaches the job; once the others close, requests are served again."""
+    calls = Calls()
+    path = str(short_tmp / "ctl.sock")
+    server = ControlServer(path, calls.handlers(), request_deadline_s=120).start()
+    silent = []
+    try:
+        for _ in range(control.MAX_CONNECTIONS):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            silent.append(s)
+        body = b"x" * 4000
+        request = b"POST /stop HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        answer = raw_exchange(path, request)
+        assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
+        error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+        assert error == f"more than {control.MAX_CONNECTIONS} connections at once"
+        assert calls.seen == []
+    finally:
+        for s in silent:
+            s.close()
+    try:
+        deadline = time.monotonic() + 60
+        while control_client.call(path, "GET", "/status", None, 10)[0] != 200:
+            assert time.monotonic() < deadline, "no slot came free"
+            time.sleep(0.1)
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize(
     ("request_bytes", "status"),
     [
