@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import server_pause
 from ckptctl.errors import OperationFailed, print_error
 from ckptctl.job.coordination import PAST_DEADLINE_S
-from ckptctl.settings import PAUSE_MODES, PauseMode, ServerKind
+from ckptctl.settings import PAUSE_MODES, PauseMode, ServerKind, Setting
 
 if TYPE_CHECKING:
     from ckptctl.inference_server import ServerAddress
@@ -134,12 +134,22 @@ class ServerPauses:
             )
         self.version = version
 
-    def pause(self, job: Job, assignment: GroupAssignment, mode: PauseMode) -> None:
+    def pause(
+        self,
+        job: Job,
+        assignment: GroupAssignment,
+        mode: PauseMode,
+        setting: Setting = Setting.timeout,
+    ) -> None:
         """The "pause" stage: each leader pauses its server, then every rank waits for every
-        server to be paused. A no-op while a pause is in force (a restore keeps the push's)."""
+        server to be paused, within what is left of `setting` (named from the stage's first
+        line). A no-op while a pause is in force (a restore keeps the push's)."""
         if mode is PauseMode.none or self.mode is not None:
             return
-        with job.reporter.stage("pause", f"pausing generation ({mode})") as st:
+        left = job.watchdog.remaining()
+        timeout = max(left - min(PAST_DEADLINE_S, left / 4), 0.1)
+        label = f"pausing generation ({mode}), up to {timeout:.0f}s ({setting.flag})"
+        with job.reporter.stage("pause", label) as st:
             with self._lock:
                 self.mode = self.last_mode = mode
                 self.since = time.time()
@@ -149,9 +159,7 @@ class ServerPauses:
             elif address is not None:
                 with self._lock:
                     self.paused.append(address)  # before it is sent (see `paused`)
-                left = job.watchdog.remaining()
-                timeout = max(left - min(PAST_DEADLINE_S, left / 4), 0.1)
-                server_pause.pause(address, self.engine, mode, timeout)
+                server_pause.pause(address, self.engine, mode, timeout, setting.flag)
                 st.detail = f"{address.describe()}: paused ({mode})"
             job.barrier("servers-paused")
 
