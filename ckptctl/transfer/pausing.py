@@ -97,6 +97,9 @@ class ServerPauses:
         self.paused: list[ServerAddress] = []
         self.version: str | None = None  # this leader's server's, read by `check`
         self.retry = False  # serve: a resume failed on some rank; the next command retries
+        # serve: every server of the job a resume left paused, on whichever rank (for `status`,
+        # which this node's first rank answers, whoever's leader failed to resume it)
+        self.left: list[str] = []
 
     @classmethod
     def attach(cls, job: Job, servers: ServerTargets, **kw: Any) -> ServerPauses:
@@ -205,6 +208,11 @@ class ServerPauses:
                 st.detail = errors[-1]
         return errors, st
 
+    def still_paused(self) -> list[str]:
+        """The servers this rank paused and could not resume (described)."""
+        with self._lock:
+            return [a.describe() for a in self.paused]
+
     def resume_on_exit(self) -> None:
         """The watchdog's exit hook (and run_job's end): whatever ended this rank, resume what it
         paused and, while a pause is in force, every server of its node (another rank's own
@@ -225,16 +233,17 @@ class ServerPauses:
         (this node's while a command holds them paused; after a failed resume, those left)."""
         with self._lock:
             if self.mode is not None:
-                servers, left = self.node_servers, False
-            elif self.paused:
-                servers, left = self.paused, True
+                servers, left = [a.describe() for a in self.node_servers], False
+            elif self.left or self.paused:
+                servers = self.left or [a.describe() for a in self.paused]
+                left = True
             else:
                 return None
             return {
                 "mode": str(self.mode or self.last_mode),
                 "since": utc(self.since) if self.since else None,
                 "seconds": round(time.time() - self.since, 1) if self.since else None,
-                "servers": [a.describe() for a in servers],
+                "servers": servers,
                 "resume_failed": left,
             }
 

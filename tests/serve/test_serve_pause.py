@@ -258,3 +258,25 @@ def test_a_restore_after_a_push_without_a_pause_leaves_no_server_paused(short_tm
         assert not site.gen.snapshot()["paused"]
         assert len(site.requests("/pause_generation")) == 1  # (the first push's only)
         stop(job, sock)
+
+
+def test_status_shows_a_server_of_another_rank_left_paused(short_tmp: Path) -> None:
+    """Two servers (two TP1 ranks); the second, whose leader is rank 1, does not resume: the
+    push fails naming it, and `status` (answered by rank 0) shows it LEFT PAUSED until the
+    next command resumes it."""
+    a, b = Site(), Site()
+    with serve_job(short_tmp, [a, b], 1, "--pause", "retract") as (job, sock):
+        behaviour = b.server.behaviour
+        behaviour.mode, behaviour.mode_paths = "reset", ("/continue_generation",)
+        code, doc, err = push(sock, "--weight-version", "v1")
+        assert code == 1, err
+        assert doc["not_resumed"] and b.endpoint in doc["not_resumed"][0], doc
+        assert b.gen.snapshot()["paused"] and not a.gen.snapshot()["paused"]
+        paused = status(sock)["paused"]
+        assert paused is not None and paused["resume_failed"], paused
+        assert paused["servers"] == [b.endpoint] and paused["mode"] == "retract"
+        behaviour.mode = None
+        code, _, err = push(sock, "--weight-version", "v2")
+        assert code == 0, err
+        assert status(sock)["paused"] is None and not b.gen.snapshot()["paused"]
+        stop(job, sock)
