@@ -149,10 +149,17 @@ def pause_request(engine: ServerKind, mode: PauseMode) -> tuple[str, dict[str, s
     return PAUSE_PATHS[engine], None, {"mode": mode.value}
 
 
-def pause(address: ServerAddress, engine: ServerKind, mode: PauseMode, timeout: float) -> None:
+def pause(
+    address: ServerAddress,
+    engine: ServerKind,
+    mode: PauseMode,
+    timeout: float,
+    flag: str | None = None,
+) -> None:
     """Pause the server's generation in `mode`; returns once the server says it is paused
     (abort and vLLM's wait: once its generations in flight have ended). Raises OperationFailed
-    when it refuses, DeadlineExceeded when it does not answer within `timeout`."""
+    when it refuses, DeadlineExceeded when it does not answer within `timeout` (`flag`: what
+    set it, named in that error)."""
     path, params, body = pause_request(engine, mode)
     where = address.describe()
     try:
@@ -161,6 +168,7 @@ def pause(address: ServerAddress, engine: ServerKind, mode: PauseMode, timeout: 
     except httpx.TimeoutException:
         raise DeadlineExceeded(
             f"{where} did not answer the pause ({path}, --pause {mode}) within {timeout:.1f}s"
+            + (f"; raise {flag} if its generations in flight just take long" if flag else "")
         ) from None
     except httpx.HTTPError as exc:
         raise OperationFailed(

@@ -180,11 +180,21 @@ def _command_args(args: list[str]) -> list[str]:
     return args[: args.index("--")] if "--" in args else args
 
 
+def _json_logs(args: list[str]) -> bool:
+    """Whether the command line asks for --log-format json (however it was spelled)."""
+    pairs = zip(args, [*args[1:], ""], strict=True)
+    return any(a == "--log-format=json" or (a, b) == ("--log-format", "json") for a, b in pairs)
+
+
 def _usage_failure(args: list[str], code: int, message: str) -> None:
     """One line on stderr; with --json, the failure document on stdout (rank 0 only)."""
     command = next((a for a in args if a in COMMANDS), None)
     where = f"ckptctl {command}" if command else "ckptctl"
     line = f"{message} (see {where} --help)"
+    if _json_logs(_command_args(args)):
+        from ckptctl.observe import logs
+
+        logs.use_json()  # (the command never ran to switch: its error line is JSON all the same)
     print_error(line)
     if "--json" in _command_args(args) and launch_info().is_primary:
         results.expect(sys.stdout)

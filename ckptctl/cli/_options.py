@@ -12,6 +12,7 @@ a column too narrow to read.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -43,6 +44,8 @@ def at_least(low: float, high: float | None = None) -> Callable[[Any], Any]:
     def check(value: Any) -> Any:
         if value is None:
             return value
+        if not math.isfinite(value):  # (NaN passes every comparison: a wait without end)
+            raise typer.BadParameter(f"must be a finite number, not {value:g}")
         if value < low:
             raise typer.BadParameter(f"must be at least {low:g}, not {value:g}")
         if high is not None and value > high:

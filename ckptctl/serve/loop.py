@@ -237,15 +237,22 @@ class JobStatus:
 
 
 def push_again(
-    whole: dict[str, Any], action: str, *, seq: int = 0, push_id: str | None = None
+    whole: dict[str, Any],
+    action: str,
+    *,
+    seq: int = 0,
+    push_id: str | None = None,
+    pause: str | None = None,
 ) -> ServeCommand:
     """A command that pushes a whole set (JobStatus.whole_pushes) again: a restore
-    or a rollback, with that push's checkpoint, name and weight version."""
+    or a rollback, with that push's checkpoint, name and weight version (a restore: with the
+    failed push's --pause, whose resume follows it)."""
     return ServeCommand(
         action=action,
         seq=seq,
         restores=whole["seq"],
         push_id=push_id,
+        pause=pause,
         **{k: whole[k] for k in ("checkpoint_path", "checkpoint_name", "weight_version")},
     )
 
@@ -549,7 +556,7 @@ class ServeLoop:
         merged = self._run_everywhere(command)
         stages = self.job.reporter.figures.stages  # (this push's: a restore starts its own)
         if merged["server_weights"] == "partial":
-            self._restore(merged)
+            self._restore(merged, command)
         # --pause: every server resumed, now that every one is whole (or restored)
         pauses = self.serve_state.pauses
         resume_after_command(
@@ -578,7 +585,7 @@ class ServeLoop:
         self.job.coordinator.drop_scope(_scope(command))
         return merge_results(command, ranks)
 
-    def _restore(self, merged: dict[str, Any]) -> None:
+    def _restore(self, merged: dict[str, Any], command: ServeCommand) -> None:
         """A push failed after the server began taking its weights: push the last whole
         checkpoint again, so that the server ends whole on the previous version. Every rank
         decides alike (`merged` and the state are the same on every rank)."""
@@ -587,7 +594,9 @@ class ServeLoop:
             why = "serve --no-restore" if not self.restore else "no whole push before it"
             merged["error"] += f" ({PARTIAL_WEIGHTS_NOTE}; not restored: {why})"
             return
-        restore = push_again(whole, "restore", seq=merged["seq"])
+        # With the push's own --pause: resume_after_command resumes by the push's mode, so a
+        # restore that paused by the job's (push --pause none) would leave the servers paused.
+        restore = push_again(whole, "restore", seq=merged["seq"], pause=command.pause)
         self.status.begin(restore)
         again = self._run_everywhere(restore)
         merged["restore"] = {

@@ -533,7 +533,12 @@ def resume_after_command(
     if mode is PauseMode.none and not pauses.retry:
         return
     errors, stage = pauses.resume_own(job.reporter)
-    mine: dict[str, Any] = {"rank": job.launch.rank, "errors": errors, "stage": None}
+    mine: dict[str, Any] = {
+        "rank": job.launch.rank,
+        "errors": errors,
+        "left": pauses.still_paused(),
+        "stage": None,
+    }
     if stage is not None:
         mine["stage"] = stage.as_json()
         if command.trace:
@@ -554,6 +559,7 @@ def resume_after_command(
                 result["trace_events"] += doc["trace_events"]
     failed = [e for doc in docs for e in doc.get("errors") or []]
     pauses.retry = bool(failed)
+    pauses.left = [a for doc in docs for a in doc.get("left") or []]  # (status: every rank's)
     if not failed:
         return
     merged["not_resumed"] = failed

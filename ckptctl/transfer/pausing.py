@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import server_pause
 from ckptctl.errors import OperationFailed, print_error
 from ckptctl.job.coordination import PAST_DEADLINE_S
-from ckptctl.settings import PAUSE_MODES, PauseMode, ServerKind
+from ckptctl.settings import PAUSE_MODES, PauseMode, ServerKind, Setting
 
 if TYPE_CHECKING:
     from ckptctl.inference_server import ServerAddress
@@ -97,6 +97,9 @@ class ServerPauses:
         self.paused: list[ServerAddress] = []
         self.version: str | None = None  # this leader's server's, read by `check`
         self.retry = False  # serve: a resume failed on some rank; the next command retries
+        # serve: every server of the job a resume left paused, on whichever rank (for `status`,
+        # which this node's first rank answers, whoever's leader failed to resume it)
+        self.left: list[str] = []
 
     @classmethod
     def attach(cls, job: Job, servers: ServerTargets, **kw: Any) -> ServerPauses:
@@ -134,12 +137,22 @@ class ServerPauses:
             )
         self.version = version
 
-    def pause(self, job: Job, assignment: GroupAssignment, mode: PauseMode) -> None:
+    def pause(
+        self,
+        job: Job,
+        assignment: GroupAssignment,
+        mode: PauseMode,
+        setting: Setting = Setting.timeout,
+    ) -> None:
         """The "pause" stage: each leader pauses its server, then every rank waits for every
-        server to be paused. A no-op while a pause is in force (a restore keeps the push's)."""
+        server to be paused, within what is left of `setting` (named from the stage's first
+        line). A no-op while a pause is in force (a restore keeps the push's)."""
         if mode is PauseMode.none or self.mode is not None:
             return
-        with job.reporter.stage("pause", f"pausing generation ({mode})") as st:
+        left = job.watchdog.remaining()
+        timeout = max(left - min(PAST_DEADLINE_S, left / 4), 0.1)
+        label = f"pausing generation ({mode}), up to {timeout:.0f}s ({setting.flag})"
+        with job.reporter.stage("pause", label) as st:
             with self._lock:
                 self.mode = self.last_mode = mode
                 self.since = time.time()
@@ -149,9 +162,7 @@ class ServerPauses:
             elif address is not None:
                 with self._lock:
                     self.paused.append(address)  # before it is sent (see `paused`)
-                left = job.watchdog.remaining()
-                timeout = max(left - min(PAST_DEADLINE_S, left / 4), 0.1)
-                server_pause.pause(address, self.engine, mode, timeout)
+                server_pause.pause(address, self.engine, mode, timeout, setting.flag)
                 st.detail = f"{address.describe()}: paused ({mode})"
             job.barrier("servers-paused")
 
@@ -197,6 +208,11 @@ class ServerPauses:
                 st.detail = errors[-1]
         return errors, st
 
+    def still_paused(self) -> list[str]:
+        """The servers this rank paused and could not resume (described)."""
+        with self._lock:
+            return [a.describe() for a in self.paused]
+
     def resume_on_exit(self) -> None:
         """The watchdog's exit hook (and run_job's end): whatever ended this rank, resume what it
         paused and, while a pause is in force, every server of its node (another rank's own
@@ -217,16 +233,17 @@ class ServerPauses:
         (this node's while a command holds them paused; after a failed resume, those left)."""
         with self._lock:
             if self.mode is not None:
-                servers, left = self.node_servers, False
-            elif self.paused:
-                servers, left = self.paused, True
+                servers, left = [a.describe() for a in self.node_servers], False
+            elif self.left or self.paused:
+                servers = self.left or [a.describe() for a in self.paused]
+                left = True
             else:
                 return None
             return {
                 "mode": str(self.mode or self.last_mode),
                 "since": utc(self.since) if self.since else None,
                 "seconds": round(time.time() - self.since, 1) if self.since else None,
-                "servers": [a.describe() for a in servers],
+                "servers": servers,
                 "resume_failed": left,
             }
 

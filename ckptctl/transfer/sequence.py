@@ -140,7 +140,8 @@ class Transfer:
             return self
         way.load(session)
         if pauses is not None:
-            pauses.pause(job, assignment, req.pause)  # every server, before any takes weights
+            # every server, before any takes weights
+            pauses.pause(job, assignment, req.pause, req.timeout_setting)
         if verification is not None:
             round_trip_reset(job, assignment, verification)
         drains = req.pause is PauseMode.none and (pauses is None or pauses.mode is None)

@@ -55,6 +55,13 @@ def dry(*args: str) -> list[str]:
         (dry("--split", "bytes", "--json"), "--split takes one of auto, files, tensors"),
         (["update", "--bogus", "--json"], "no such option --bogus"),
         (["wait-ready", "--interval", "0", "--json"], "--interval must be at least 0.01"),
+        # (not a number: it passed every bound and hung, or ended in an internal error)
+        (["wait-ready", "--timeout", "nan", "--json"], "--timeout must be a finite number"),
+        (["wait-ready", "--interval", "nan", "--json"], "--interval must be a finite number"),
+        (["doctor", "--timeout", "nan", "--json"], "--timeout must be a finite number"),
+        (["status", "--wait", "nan", "--json"], "--wait must be a finite number"),
+        (["stop", "--timeout", "inf", "--json"], "--timeout must be a finite number, not inf"),
+        (dry("--bucket-size-gb", "nan", "--json"), "--bucket-size-gb must be a finite number"),
     ],
 )
 def test_usage_errors_write_the_failure_envelope(

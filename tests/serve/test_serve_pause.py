@@ -240,3 +240,43 @@ def test_a_push_s_own_mode_its_stages_and_a_stop_while_paused(short_tmp: Path) -
         assert doc["server_weights"] is None  # (no worker took anything: nothing to restore)
         assert site.requests("/continue_generation")[-1]["status"] == 200
         assert not site.gen.snapshot()["paused"]
+
+
+def test_a_restore_after_a_push_without_a_pause_leaves_no_server_paused(short_tmp: Path) -> None:
+    """serve --pause retract, `push --pause none` that fails mid-transfer: the restore after it
+    keeps the push's mode (it pauses nothing), and no server is left paused after the command
+    (a restore that paused with the job's mode went unresumed: the resume read the push's)."""
+    site = Site()
+    with serve_job(short_tmp, [site], 1, "--pause", "retract") as (job, sock):
+        code, _, err = push(sock, "--weight-version", "v1")
+        assert code == 0, err
+        site.workers.fail_at_bucket = 2
+        code, failed, err = push(sock, "--pause", "none", "--weight-version", "v2")
+        assert code == 1, err
+        assert "server weights: whole again (restored push 1)" in failed["error"], failed
+        assert status(sock)["paused"] is None
+        assert not site.gen.snapshot()["paused"]
+        assert len(site.requests("/pause_generation")) == 1  # (the first push's only)
+        stop(job, sock)
+
+
+def test_status_shows_a_server_of_another_rank_left_paused(short_tmp: Path) -> None:
+    """Two servers (two TP1 ranks); the second, whose leader is rank 1, does not resume: the
+    push fails naming it, and `status` (answered by rank 0) shows it LEFT PAUSED until the
+    next command resumes it."""
+    a, b = Site(), Site()
+    with serve_job(short_tmp, [a, b], 1, "--pause", "retract") as (job, sock):
+        behaviour = b.server.behaviour
+        behaviour.mode, behaviour.mode_paths = "reset", ("/continue_generation",)
+        code, doc, err = push(sock, "--weight-version", "v1")
+        assert code == 1, err
+        assert doc["not_resumed"] and b.endpoint in doc["not_resumed"][0], doc
+        assert b.gen.snapshot()["paused"] and not a.gen.snapshot()["paused"]
+        paused = status(sock)["paused"]
+        assert paused is not None and paused["resume_failed"], paused
+        assert paused["servers"] == [b.endpoint] and paused["mode"] == "retract"
+        behaviour.mode = None
+        code, _, err = push(sock, "--weight-version", "v2")
+        assert code == 0, err
+        assert status(sock)["paused"] is None and not b.gen.snapshot()["paused"]
+        stop(job, sock)

@@ -60,6 +60,21 @@ def test_an_error_line_is_a_json_object_too(tmp_path: Path) -> None:
     assert record["rank"] == 0 and record["stage"] is None and record["figures"] is None
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("update", "--log-format", "json", "--bogus"),  # (Typer's own: an unknown flag)
+        ("stage", "--log-format=json", "--checkpoint-path", "/tmp", "--timeout", "0.5"),
+        ("push", "--checkpoint-path", "/tmp", "--pause", "sideways", "--log-format", "json"),
+    ],
+)
+def test_a_usage_error_found_while_parsing_is_a_json_object_too(args: tuple[str, ...]) -> None:
+    r = run_script(*args)
+    assert r.returncode == 2
+    (record,) = _records(r.stderr)
+    assert record["level"] == "error" and f"(see ckptctl {args[0]} --help)" in record["message"]
+
+
 @pytest.mark.slow
 def test_a_serve_job_logs_a_failed_push_as_an_error_and_push_writes_json_lines(
     short_tmp: Path,

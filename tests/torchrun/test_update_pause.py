@@ -277,3 +277,16 @@ def test_the_deadline_of_an_update_whose_server_is_paused_resumes_it() -> None:
         assert code == 4, err[-3000:]
         assert requests(s, "/continue_generation")
         assert not s.behaviour.generations().snapshot()["paused"]
+
+
+def test_a_pause_that_never_answers_names_the_flag_that_bounds_it() -> None:
+    """The pause is a wait (SGLang's abort and vLLM's wait answer once the generations in
+    flight have ended): its first line names its bound, and running out says what to raise."""
+    with FakeServer(Behaviour()) as s:
+        s.behaviour.mode, s.behaviour.mode_paths = "hang", ("/pause_generation",)
+        code, doc, err = ended(update(s, "--pause", "abort", "--timeout", "8"))
+        assert code == 4, err[-3000:]
+        assert "did not answer the pause" in doc["error"] and "raise --timeout" in doc["error"]
+        (line,) = [x for x in err.splitlines() if x.startswith("pausing generation")]
+        assert "(--timeout)" in line, line
+        assert requests(s, "/continue_generation")
