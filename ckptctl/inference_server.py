@@ -91,6 +91,12 @@ def check_endpoint(endpoint: str) -> str:
         httpx.URL(endpoint)
     except (httpx.InvalidURL, TypeError, ValueError):
         parts, host = None, None
+    try:
+        _ = parts and parts.port  # (urlsplit reads the port only when asked)
+    except ValueError:
+        raise UsageError(
+            f"--endpoint {endpoint!r}: its port is not a number from 0 to 65535"
+        ) from None
     urls = len(endpoint.split())
     if urls > 1:  # (a list where one server goes: no URL holds a space)
         import os

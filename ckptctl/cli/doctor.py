@@ -83,6 +83,10 @@ def doctor_command(
 
     out = Output(json_mode=json_output)
     addresses = doctor.server_addresses(endpoint, uds, api_key)  # bad flags: exit 2 first
+    if pause is not None and not addresses:
+        from ckptctl.errors import UsageError
+
+        raise UsageError("--pause asks the servers whether they offer it: give --endpoint URL")
     report = doctor.run(addresses, timeout=timeout, pause=None if pause is None else pause.value)
     if json_output:
         out.result(report.as_json(), ok=not report.failed)

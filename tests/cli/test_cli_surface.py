@@ -62,6 +62,9 @@ def dry(*args: str) -> list[str]:
         (["status", "--wait", "nan", "--json"], "--wait must be a finite number"),
         (["stop", "--timeout", "inf", "--json"], "--timeout must be a finite number, not inf"),
         (dry("--bucket-size-gb", "nan", "--json"), "--bucket-size-gb must be a finite number"),
+        (["doctor", "--pause", "retract", "--json"], "--pause asks the servers"),
+        (["wait-ready", "--endpoint", "http://x:99999", "--json"], "port is not a number"),
+        (dry("--endpoint", "http://x:99999", "--json"), "port is not a number from 0 to 65535"),
     ],
 )
 def test_usage_errors_write_the_failure_envelope(

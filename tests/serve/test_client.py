@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,20 @@ def test_the_client_imports_neither_torch_nor_typer() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda: client.status(wait=float("nan")), "wait takes a finite number of seconds"),
+        (lambda: client.stop(timeout=float("inf")), "timeout takes a finite number of seconds"),
+        (lambda: client.push("/x", timeout=-1), "timeout takes a finite number of seconds"),
+    ],
+)
+def test_a_wait_that_is_not_a_finite_number_of_seconds_is_a_usage_error(
+    call: Callable[[], object], words: str
+) -> None:
+    """NaN passes every comparison: taken as a wait, it waited for ever. Refused before any
+    job is looked for."""
+    with pytest.raises(UsageError, match=words):
+        call()
