@@ -365,7 +365,13 @@ class MetricsServer:
         elif method != "GET":
             self._answer(conn, state, HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n")
         else:
-            self._answer(conn, state, HTTPStatus.OK, self._page(), self._content_type)
+            try:
+                page = self._page()
+            except Exception as exc:  # noqa: BLE001 - a scrape must never end the server's thread
+                error = f"the metrics page failed: {type(exc).__name__}\n".encode()
+                self._answer(conn, state, HTTPStatus.INTERNAL_SERVER_ERROR, error)
+                return
+            self._answer(conn, state, HTTPStatus.OK, page, self._content_type)
 
     def _answer(
         self,

@@ -433,3 +433,26 @@ def test_a_request_has_one_deadline_and_a_bounded_head() -> None:
                 assert _ended_by_server(s).startswith(b"HTTP/1.1 " + status), request
     finally:
         patient.close()
+
+
+def test_a_page_that_raises_is_answered_500_and_the_server_goes_on() -> None:
+    """A page that raises (a collector that breaks) is that scrape's 500: it used to escape
+    the server's one thread and end metrics for good, every later scrape unanswered."""
+    calls = [0]
+
+    def page() -> bytes:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("a collector broke")
+        return b"ckptctl_up 1\n"
+
+    server = metrics.MetricsServer("127.0.0.1", 0, page, "text/plain")
+    try:
+        for status, body in ((b"500", b""), (b"200", b"ckptctl_up 1\n")):
+            with socket.create_connection(server.address, timeout=30) as s:
+                s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+                said = _ended_by_server(s)
+                assert said.startswith(b"HTTP/1.1 " + status) and said.endswith(body), said
+        assert server._thread.is_alive()
+    finally:
+        server.close()
