@@ -317,6 +317,8 @@ class MetricsServer:
             except OSError:  # out of file descriptors, say: free one, try again next pass
                 if self._open:
                     self._drop(self._oldest())
+                else:  # none of ours to free: the queue stays readable, so do not spin on it
+                    self._closed.wait(0.1)
                 return
             if len(self._open) >= self._max_connections:
                 self._drop(self._oldest())
