@@ -317,6 +317,8 @@ class MetricsServer:
             except OSError:  # out of file descriptors, say: free one, try again next pass
                 if self._open:
                     self._drop(self._oldest())
+                else:  # none of ours to free: the queue stays readable, so do not spin on it
+                    self._closed.wait(0.1)
                 return
             if len(self._open) >= self._max_connections:
                 self._drop(self._oldest())
@@ -365,7 +367,13 @@ class MetricsServer:
         elif method != "GET":
             self._answer(conn, state, HTTPStatus.METHOD_NOT_ALLOWED, b"GET only\n")
         else:
-            self._answer(conn, state, HTTPStatus.OK, self._page(), self._content_type)
+            try:
+                page = self._page()
+            except Exception as exc:  # noqa: BLE001 - a scrape must never end the server's thread
+                error = f"the metrics page failed: {type(exc).__name__}\n".encode()
+                self._answer(conn, state, HTTPStatus.INTERNAL_SERVER_ERROR, error)
+                return
+            self._answer(conn, state, HTTPStatus.OK, page, self._content_type)
 
     def _answer(
         self,

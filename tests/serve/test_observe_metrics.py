@@ -433,3 +433,77 @@ def test_a_request_has_one_deadline_and_a_bounded_head() -> None:
                 assert _ended_by_server(s).startswith(b"HTTP/1.1 " + status), request
     finally:
         patient.close()
+
+
+def test_a_page_that_raises_is_answered_500_and_the_server_goes_on() -> None:
+    """A page that raises (a collector that breaks) is that scrape's 500: it used to escape
+    the server's one thread and end metrics for good, every later scrape unanswered."""
+    calls = [0]
+
+    def page() -> bytes:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("a collector broke")
+        return b"ckptctl_up 1\n"
+
+    server = metrics.MetricsServer("127.0.0.1", 0, page, "text/plain")
+    try:
+        for status, body in ((b"500", b""), (b"200", b"ckptctl_up 1\n")):
+            with socket.create_connection(server.address, timeout=30) as s:
+                s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+                said = _ended_by_server(s)
+                assert said.startswith(b"HTTP/1.1 " + status) and said.endswith(body), said
+        assert server._thread.is_alive()
+    finally:
+        server.close()
+
+
+# Out of file descriptors (a low limit, all of them taken) with a connection in the listen
+# queue: the server cannot take it, and has none of its own to close for room. Prints how
+# many times it tried in 1 s, then the answer the connection gets once descriptors are free.
+_OUT_OF_FDS = """
+import os, resource, socket, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from ckptctl.observe import metrics
+tries = [0]
+class Counting(metrics.MetricsServer):
+    def _accept(self):
+        tries[0] += 1
+        super()._accept()
+server = Counting("127.0.0.1", 0, lambda: b"ckptctl_up 1\\n", "text/plain")
+client = socket.socket()  # (its descriptor taken before they run out)
+taken = []
+try:
+    while True:
+        taken.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+client.connect(server.address)  # (queued by the kernel: no descriptor of ours needed)
+deadline = time.monotonic() + 30
+while tries[0] == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+first = tries[0]
+time.sleep(1)
+print(tries[0] - first, flush=True)
+for fd in taken:
+    os.close(fd)
+client.settimeout(30)
+client.sendall(b"GET /metrics HTTP/1.1\\r\\n\\r\\n")
+print(client.recv(100).split(b"\\r\\n")[0].decode(), flush=True)
+server.close()
+"""
+
+
+def test_out_of_file_descriptors_the_server_does_not_spin() -> None:
+    """accept() failing for want of a descriptor, with no connection of its own to close: the
+    server tries again a few times a second (it tried in a busy loop, a core at 100% for as
+    long as the descriptors stayed short), and answers once they are free again."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_FDS], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    tries, answer = out.stdout.split("\n")[:2]
+    assert int(tries) <= 50, f"{tries} tries to accept in 1 s: a busy loop"
+    assert answer == "HTTP/1.1 200 OK"
