@@ -92,11 +92,11 @@ def check_endpoint(endpoint: str) -> str:
     except (httpx.InvalidURL, TypeError, ValueError):
         parts, host = None, None
     try:
-        _ = parts and parts.port  # (urlsplit reads the port only when asked)
+        port = parts.port if parts is not None else None  # (urlsplit reads it only when asked)
     except ValueError:
-        raise UsageError(
-            f"--endpoint {endpoint!r}: its port is not a number from 0 to 65535"
-        ) from None
+        port = 0
+    if port == 0:
+        raise UsageError(f"--endpoint {endpoint!r}: its port is not a number from 1 to 65535")
     urls = len(endpoint.split())
     if urls > 1:  # (a list where one server goes: no URL holds a space)
         import os

@@ -64,7 +64,8 @@ def dry(*args: str) -> list[str]:
         (dry("--bucket-size-gb", "nan", "--json"), "--bucket-size-gb must be a finite number"),
         (["doctor", "--pause", "retract", "--json"], "--pause asks the servers"),
         (["wait-ready", "--endpoint", "http://x:99999", "--json"], "port is not a number"),
-        (dry("--endpoint", "http://x:99999", "--json"), "port is not a number from 0 to 65535"),
+        (dry("--endpoint", "http://x:99999", "--json"), "port is not a number from 1 to 65535"),
+        (dry("--endpoint", "http://x:0", "--json"), "port is not a number from 1 to 65535"),
     ],
 )
 def test_usage_errors_write_the_failure_envelope(
