@@ -33,6 +33,8 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
+from ckptctl.small_http import MAX_HEADER_BYTES, HttpError, parse_head
+
 INSTALL_HINT = "pip install 'ckptctl[metrics]'"
 # How a push ended (a rollback counts as a push; the restore after a failed one does not).
 OUTCOMES = ("ok", "rolled_back", "failed", "restored", "refused", "cancelled")
@@ -334,8 +336,6 @@ class MetricsServer:
         return next(reading, None) or next(iter(self._open))
 
     def _on_ready(self, conn: socket.socket, events: int) -> None:
-        from ckptctl.small_http import MAX_HEADER_BYTES, HttpError, parse_head
-
         state = self._open[conn]
         try:
             if state.reply is None and events & selectors.EVENT_READ:
@@ -395,7 +395,8 @@ class MetricsServer:
         """Close every connection past its deadline, unanswered (oldest first: stop at the
         first one still in time)."""
         now = time.monotonic()
-        for conn, state in list(self._open.items()):
+        while self._open:  # (no copy of the whole room on every pass: only the expired go)
+            conn, state = next(iter(self._open.items()))
             if state.began + self._deadline_s > now:
                 return
             self._drop(conn)
