@@ -81,7 +81,7 @@ class _Budget:
     """A call's `timeout`, spent from its start: the wait for a job, then each request."""
 
     def __init__(self, timeout: float, names: Names) -> None:
-        _check_seconds(timeout, names.timeout.rstrip("="))
+        _check_seconds(timeout, "timeout")
         self.timeout = timeout
         self.names = names
         self.deadline = time.monotonic() + timeout
@@ -99,14 +99,15 @@ class _Budget:
         uds: str | Sequence[str],
         wait: float,
     ) -> str:
-        _check_seconds(wait, self.names.wait.split("=")[0].split(" ")[0] or "wait")
+        _check_seconds(wait, "wait")
         # (called first: what is left of the budget is all of it)
         return find_job(control_socket, endpoint, uds, min(wait, self.timeout), names=self.names)
 
 
 def _check_seconds(value: float, name: str) -> None:
     """A number of seconds that bounds a wait: finite and not negative (NaN passes every
-    comparison, so it would wait for ever), else a usage error."""
+    comparison, so it would wait for ever), else a usage error. Named as the Python argument:
+    the CLI refuses such values itself, as it parses its flags."""
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise UsageError(f"{name} takes a finite number of seconds, not {value!r}")
 

@@ -92,10 +92,10 @@ def check_endpoint(endpoint: str) -> str:
     except (httpx.InvalidURL, TypeError, ValueError):
         parts, host = None, None
     try:
-        port = parts.port if parts is not None else None  # (urlsplit reads it only when asked)
+        port_ok = parts is None or parts.port != 0  # (urlsplit reads the port only when asked)
     except ValueError:
-        port = 0
-    if port == 0:
+        port_ok = False
+    if not port_ok:
         raise UsageError(f"--endpoint {endpoint!r}: its port is not a number from 1 to 65535")
     urls = len(endpoint.split())
     if urls > 1:  # (a list where one server goes: no URL holds a space)
