@@ -225,9 +225,9 @@ def resume(
     raise ResumeFailed(f"{address.describe()} did not resume its generation ({tries}): {why}")
 
 
-def resume_by_hand(address: ServerAddress, engine: ServerKind) -> str:
-    """What an operator runs to resume a server ckptctl could not."""
-    return f"POST {address.describe()}{RESUME_PATHS[engine]}"
+def left_paused(why: str, address: ServerAddress, engine: ServerKind) -> str:
+    """Why a server could not be resumed, and what an operator runs to resume it."""
+    return f"{why}; it stays paused: resume it by hand (POST {address.describe()}{RESUME_PATHS[engine]})"
 
 
 def probe_routes(

@@ -22,8 +22,8 @@ takes its writer lock first) is the "drain" stage (DrainWatch): from the update'
 the server's worker connects to take the weights.
 
 Limits (docs/pause-contract.md): a server whose node has no rank left (the node died, or a job of
-one rank got SIGKILL) stays paused until someone resumes it (`resume_by_hand`); a pause whose
-answer never came (a timeout) may take effect after the resume was sent.
+one rank got SIGKILL) stays paused until someone resumes it (`server_pause.left_paused` says
+how); a pause whose answer never came (a timeout) may take effect after the resume was sent.
 """
 
 from __future__ import annotations
@@ -196,8 +196,7 @@ class ServerPauses:
                 try:
                     attempts = server_pause.resume(address, self.engine, budget_s=RESUME_BUDGET_S)
                 except server_pause.ResumeFailed as exc:
-                    hand = server_pause.resume_by_hand(address, self.engine)
-                    errors.append(f"{exc}; it stays paused: resume it by hand ({hand})")
+                    errors.append(server_pause.left_paused(str(exc), address, self.engine))
                     continue
                 with self._lock:  # (unless the exit hook took it meanwhile)
                     if address in self.paused:
@@ -225,8 +224,7 @@ class ServerPauses:
             self.paused, self.mode = [], None
         failed = resume_all(targets, self.engine, EXIT_RESUME_BUDGET_S)
         for address, why in failed.items():
-            hand = server_pause.resume_by_hand(address, self.engine)
-            print_error(f"{why}; it stays paused: resume it by hand ({hand})")
+            print_error(server_pause.left_paused(why, address, self.engine))
 
     def describe(self) -> dict[str, Any] | None:
         """What `status` says while servers are paused: the mode, since when, which servers
