@@ -82,6 +82,7 @@ CLIENT_FIELDS = {
     "rollback": {"push_id"},
 }
 ACTIONS = ("push", "stage", "rollback", "restore")
+PAUSE_VALUES = tuple(m.value for m in PauseMode)
 MAX_SEQ = 2**53  # (exact in any JSON reader)
 
 
@@ -105,9 +106,11 @@ class ServeCommand:
     trace: str | None = None  # push --trace FILE: where rank 0 writes its timeline
     restores: int | None = None  # a restore's or rollback's: the push whose checkpoint it is
     started_at: str | None = None  # when rank 0 sent it to every rank
-    pause: str | None = None  # push --pause MODE (a PauseMode's value); None: serve's own
+    pause: PauseMode | None = None  # push --pause MODE; None: serve's own
 
     def __post_init__(self) -> None:
+        if type(self.pause) is str and self.pause in PAUSE_VALUES:  # (as JSON brings it)
+            object.__setattr__(self, "pause", PauseMode(self.pause))
         problem = _problem(self)
         if problem:
             raise BadCommand(problem)
@@ -181,9 +184,8 @@ def _problem(command: ServeCommand) -> str | None:
         return f'{command.action} needs {{"checkpoint_path": DIR}}'
     if command.trace is not None and not command.trace.startswith("/"):
         return "trace must be an absolute path"
-    modes = {m.value for m in PauseMode}
-    if command.pause is not None and (type(command.pause) is not str or command.pause not in modes):
-        return f"pause must be one of {', '.join(m.value for m in PauseMode)}"
+    if command.pause is not None and not isinstance(command.pause, PauseMode):
+        return f"pause must be one of {', '.join(PAUSE_VALUES)}"
     for name in FLAGS:
         if type(getattr(command, name)) is not bool:
             return f"{name} must be true or false"

@@ -56,6 +56,7 @@ from ckptctl.serve.push import (
     resume_after_command,
 )
 from ckptctl.serve.state import PushLog, ServeState
+from ckptctl.settings import PauseMode
 from ckptctl.transfer.pausing import pause_refusal
 
 Executor = Callable[[Job, ServeCommand], dict[str, Any]]
@@ -242,7 +243,7 @@ def push_again(
     *,
     seq: int = 0,
     push_id: str | None = None,
-    pause: str | None = None,
+    pause: PauseMode | None = None,
 ) -> ServeCommand:
     """A command that pushes a whole set (JobStatus.whole_pushes) again: a restore
     or a rollback, with that push's checkpoint, name and weight version (a restore: with the

@@ -448,7 +448,7 @@ def push_request(opts: ServeOptions, command: ServeCommand, name: str) -> Transf
         weight_version=command.weight_version,
         consume=command.consume_shm_files,
         verify=command.verify,
-        pause=PauseMode(command.pause) if command.pause else None,
+        pause=command.pause,
     )
 
 
@@ -529,7 +529,7 @@ def resume_after_command(
     (and trace) and, on rank 0, `stages` (the metrics')."""
     if pauses is None or command.action == "stage":
         return
-    mode = PauseMode(command.pause or pauses.default)
+    mode = command.pause or pauses.default
     if mode is PauseMode.none and not pauses.retry:
         return
     errors, stage = pauses.resume_own(job.reporter)

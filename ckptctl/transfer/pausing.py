@@ -304,18 +304,17 @@ class DrainWatch:
             thread.join(timeout=5)
 
 
-def pause_refusal(pauses: ServerPauses | None, value: Any) -> str | None:
-    """Why a serve job cannot take a push's `pause` (None: it can): refused at its control
-    socket (a usage error, exit 2) before the push is queued, let alone sent."""
-    if value is None:
+def pause_refusal(pauses: ServerPauses | None, mode: PauseMode | None) -> str | None:
+    """Why a serve job cannot take a push's --pause (None: it can), a mode being one of
+    PauseMode's (ServeCommand checked that): one the job's servers' kind lacks is refused at its
+    control socket (a usage error, exit 2) before the push is queued, let alone sent."""
+    if mode is None:
         return None
-    if not isinstance(value, str) or value not in {m.value for m in PauseMode}:
-        return f"pause must be one of {', '.join(m.value for m in PauseMode)}"
     from ckptctl.errors import UsageError
     from ckptctl.transfer.request import check_pause
 
     try:
-        check_pause(PauseMode(value), pauses.engine if pauses else None, flag="pause")
+        check_pause(mode, pauses.engine if pauses else None, flag="pause")
     except UsageError as exc:
         return f"{exc}: the serve job's servers are of that kind (serve --engine)"
     return None
