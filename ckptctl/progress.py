@@ -68,6 +68,9 @@ class StageFigures:
     node_wide: bool = False  # the node's ranks each move their own share: show their sum
     seq: int = 1  # the n-th stage of this name in this job (a serve job pushes many times)
     started_at: float = field(default_factory=time.perf_counter, repr=False)
+    # Where the stage's body saw its end come earlier than the body returned (a watcher that
+    # polls): that moment, not the return.
+    ended_at: float | None = field(default=None, repr=False)
     # Work on this stage's bytes done outside its time, in a thread that started before it
     # (what -> seconds, each over all the bytes: {"read": 1.38, "pin": 3.37}). The stage's own
     # time is then only its wait for that work: it has no rate of its own.
@@ -236,7 +239,7 @@ class Reporter:
             yield figures
             ok = True
         finally:
-            figures.seconds = time.perf_counter() - figures.started_at
+            figures.seconds = (figures.ended_at or time.perf_counter()) - figures.started_at
             with self._lock:
                 self.running.pop(name, None)
             if not ok:

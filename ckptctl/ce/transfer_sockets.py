@@ -43,6 +43,7 @@ class ReplyWatchingSocket:
         self.finished = threading.Event()
         # The handle has left: a peer has connected (until then `rescue` can end the transfer).
         self.handle_sent = threading.Event()
+        self.handle_sent_at: float | None = None  # (its perf_counter: the drain stage ends there)
         self.rescued = False  # the handle went to our stand-in peer (`rescue`), not a worker
         self.cancelled: str | None = None  # set by `cancel` (from any thread)
         # Once a reply was made up or a send dropped, the real socket is out of step with the
@@ -86,6 +87,7 @@ class ReplyWatchingSocket:
         if not self.handle_sent.is_set():  # (--trace) the send waits for a worker to connect
             what = "worker connects, takes the IPC handle"
             timeline.record(what, timeline.WORKER, self._created_at)
+            self.handle_sent_at = time.perf_counter()
         self.handle_sent.set()
         self.buckets_sent += isinstance(obj, list)
         return sent
@@ -306,7 +308,13 @@ class TransferSockets:
     def workers_connected(self) -> bool:
         """Whether a server's worker took the current update's IPC handle: from then on a
         failure may leave the server with a mix of old and new weights."""
-        return any(s.handle_sent.is_set() and not s.rescued for s in self.sockets)
+        return self.workers_connected_at() is not None
+
+    def workers_connected_at(self) -> float | None:
+        """When (perf_counter) a server's worker took the current update's IPC handle; None
+        while none has."""
+        times = [s.handle_sent_at for s in self.sockets if s.handle_sent.is_set() and not s.rescued]
+        return min((t for t in times if t is not None), default=None)
 
     def buckets_announced(self) -> bool:
         """Whether a server's worker was told of a bucket in the current update: a failed one

@@ -273,9 +273,9 @@ class DrainWatch:
     connects to take the weights - SGLang's update first waits for every generation in flight
     (its writer lock); it ends with the request's answer where no worker connects first."""
 
-    def __init__(self, reporter: Reporter, connected: Callable[[], bool]) -> None:
+    def __init__(self, reporter: Reporter, connected_at: Callable[[], float | None]) -> None:
         self.reporter = reporter
-        self.connected = connected
+        self.connected_at = connected_at  # (perf_counter of the worker's connection, or None)
         self.seconds: float | None = None
 
     @contextlib.contextmanager
@@ -288,7 +288,9 @@ class DrainWatch:
             with self.reporter.stage("drain", label) as st:
                 while not answered.wait(DRAIN_POLL_S):
                     with contextlib.suppress(Exception):
-                        if self.connected():
+                        # (It ends where the worker connected, not up to a poll later.)
+                        st.ended_at = self.connected_at()
+                        if st.ended_at is not None:
                             st.detail = "until the server's worker connected"
                             break
                 else:

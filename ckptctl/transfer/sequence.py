@@ -154,7 +154,7 @@ class Transfer:
             on_failure=self.guard or failing_job(job, session),
             setting=req.timeout_setting,
             flush_cache=pauses.flush_cache(req.pause) if pauses is not None else True,
-            drain=DrainWatch(job.reporter, session.workers_connected) if drains else None,
+            drain=DrainWatch(job.reporter, session.workers_connected_at) if drains else None,
         )
         self.transfer_began = True
         guarding = self.guard.guarding(request) if self.guard else contextlib.nullcontext()

@@ -80,6 +80,7 @@ class CpuParameterServerSession:
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
         self.connected = False  # the server's workers took the IPC handle (this update)
+        self.connected_at: float | None = None  # (when: its perf_counter)
         self.rescued: str | None = None
         self.guard_acted = threading.Event()  # the push's guard tried to end this transfer
         self.on_bucket_loaded: Any = None
@@ -187,7 +188,7 @@ class CpuParameterServerSession:
             self.real.cancel(message)
 
     def new_transfer(self) -> None:
-        self.connected, self.rescued = False, None
+        self.connected, self.connected_at, self.rescued = False, None, None
         self.guard_acted.clear()
         if self.real is not None:
             self.real.new_transfer()
@@ -203,6 +204,9 @@ class CpuParameterServerSession:
 
     def workers_connected(self) -> bool:
         return self.connected if self.real is None else self.real.workers_connected()
+
+    def workers_connected_at(self) -> float | None:
+        return self.connected_at if self.real is None else self.real.workers_connected_at()
 
     def worker_error(self) -> str | None:
         return None if self.real is None else self.real.worker_error()
@@ -242,6 +246,7 @@ class CpuParameterServerSession:
                 time.sleep(0.02)
         # (A transfer rescued before it began: its handle went to the stand-in peer.)
         self.connected = "fail-after-connect" in name and self.rescued is None
+        self.connected_at = time.perf_counter() if self.connected else None
         paths = [(f"GPU-fake-{r}", f"ipc://@fake-{r}.sock") for r in range(self.world)]
         sent = len(getattr(req_func, "messages", []))
         thread = threading.Thread(target=req_func, args=(paths,))

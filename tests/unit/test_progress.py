@@ -496,3 +496,29 @@ def test_the_update_summary_counts_tensors_as_tensor_count() -> None:
     assert (doc["ok"], doc["exit_code"], doc["error"]) == (True, 0, None)
     assert doc["tensor_count"] == 25 and "tensors" not in doc
     assert "mooncake" not in r.stderr
+
+
+def test_the_drain_stage_ends_where_the_worker_connected_not_a_poll_later() -> None:
+    """The drain watcher polls; the stage it reports ends at the connection's own moment, so
+    it never overlaps the first bucket (which goes out after the connection) in a trace."""
+    import threading
+
+    from ckptctl.transfer.pausing import DrainWatch
+
+    reporter = Reporter(lambda _: None, primary=True)
+    connected_at: list[float] = []
+    polled = threading.Event()
+
+    def seen_at() -> float | None:
+        polled.set()
+        return connected_at[0] if connected_at else None
+
+    drain = DrainWatch(reporter, seen_at)
+    with drain.watching():
+        assert polled.wait(30)
+        connected_at.append(time.perf_counter())
+        time.sleep(0.05)  # the request runs on past the connection
+    (stage,) = [s for s in reporter.figures.stages if s.name == "drain"]
+    assert stage.detail == "until the server's worker connected"
+    assert stage.started_at + stage.seconds == pytest.approx(connected_at[0], abs=1e-6)
+    assert drain.seconds == stage.seconds
