@@ -171,7 +171,7 @@ def test_a_mode_the_server_s_version_cannot_honour_is_refused_before_anything_is
 
 def test_a_pause_refused_sends_no_weight_and_leaves_no_server_paused() -> None:
     """Two servers, one job: the second refuses the pause (HTTP 500). Nothing is pushed to
-    either, the error names it, and the first - paused already - is resumed."""
+    either, the error names it, and both are resumed (the first may have been paused)."""
     with FakeServer(Behaviour()) as a, FakeServer(Behaviour()) as b:
         b.behaviour.mode, b.behaviour.mode_paths = "http500", ("/pause_generation",)
         r = run_torchrun(CPU_PS_RANK, *update_cmd(a, b), "--pause", "retract", nproc=2)
@@ -181,7 +181,9 @@ def test_a_pause_refused_sends_no_weight_and_leaves_no_server_paused() -> None:
             assert not requests(s, "/update_weights_from_ipc")
             assert requests(s, "/continue_generation")  # (resuming is idempotent)
             assert not s.behaviour.generations().snapshot()["paused"]
-        assert requests(a, "/pause_generation")[0]["status"] == 200
+        # (Each rank pauses its own server at once: b's refusal may end the job before a's pause
+        # left, or while it was on its way. Either way a was never left paused, nor pushed.)
+        assert all(p["status"] == 200 for p in requests(a, "/pause_generation"))
 
 
 def test_no_server_takes_weights_before_every_server_is_paused() -> None:
