@@ -25,13 +25,13 @@ def test_push_status_and_stop_from_python(short_tmp: Path) -> None:
     sock = str(short_tmp / "serve.sock")
     with (
         FakeServer(Behaviour()) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60", ranks=1) as job,
     ):
         assert wait_for_path(sock)
         first = client.push(TINY, weight_version="v1", control_socket=sock, wait=60)
         assert first["ok"] and first["seq"] == 1 and first["server_weights"] == "whole"
         assert s.behaviour.weight_version == "v1"
-        assert len(first["ranks"]) == 2
+        assert len(first["ranks"]) == 1  # (a job of one process)
 
         # A push the server refuses: raised with the job's own line, or returned on request.
         s.behaviour.update_status = 400

@@ -257,7 +257,7 @@ def test_the_first_push_waits_server_start_wait_for_a_wrong_endpoint_and_says_so
     with cpu_serve_job(
         refused_endpoint, "--control-socket", sock, "--push-timeout", "300",
         "--server-start-wait", "3",
-    ) as job:  # fmt: skip
+    ranks=1,) as job:  # fmt: skip
         assert wait_for_path(sock), "the serve job did not open its control socket"
         code, doc, _ = push(sock)
         assert code == 1, doc

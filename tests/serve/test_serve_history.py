@@ -36,7 +36,7 @@ def test_history_lists_each_push_with_its_outcome(short_tmp: Path, tmp_path: Pat
     sock = str(short_tmp / "serve.sock")
     with (
         FakeServer(Behaviour()) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60", ranks=1) as job,
     ):
         assert wait_for_path(sock)
         assert _push(sock, TINY, "--weight-version", "v1") == 0
@@ -125,7 +125,7 @@ def test_a_line_break_in_a_folder_name_or_a_version_adds_no_line(
     sock = str(short_tmp / "serve.sock")
     with (
         FakeServer(Behaviour()) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60", ranks=1) as job,
     ):
         assert wait_for_path(sock)
         pushed = run_script(
@@ -219,7 +219,7 @@ def test_a_push_cancelled_while_it_waits_is_logged_as_cancelled(short_tmp: Path)
     held = Behaviour(on_update=lambda handles, body: release.wait(60))
     with (
         FakeServer(held) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60", ranks=1) as job,
     ):
         assert wait_for_path(sock)
         answers: dict[str, dict] = {}

@@ -147,7 +147,9 @@ def test_a_push_waits_for_a_server_until_its_own_deadline_not_the_jobs(
     watchdog's, HARD_GRACE_S later, which ends the job: the first push into a server that is
     not there waits 3 s at most, says so, and the job serves on."""
     sock = str(short_tmp / "serve.sock")
-    with cpu_serve_job(refused_endpoint, "--control-socket", sock, "--push-timeout", "3") as job:
+    with cpu_serve_job(
+        refused_endpoint, "--control-socket", sock, "--push-timeout", "3", ranks=1
+    ) as job:
         assert wait_for_path(sock)
         r = _push(sock)
         assert r.returncode == 4, r.stderr
@@ -199,7 +201,7 @@ def test_the_default_socket_is_named_after_the_server(socket_dir: Path) -> None:
     own, conftest.socket_dir; $XDG_RUNTIME_DIR/ckptctl/ by default, test_serve_control.py),
     named after its server; `push --endpoint URL` finds it, so does a plain `status` (the only
     job), and `push --wait` started with the job waits for it."""
-    with FakeServer(Behaviour()) as s, cpu_serve_job(s.endpoint) as job:
+    with FakeServer(Behaviour()) as s, cpu_serve_job(s.endpoint, ranks=1) as job:
         push = run_script(
             "push", "--endpoint", s.endpoint, "--checkpoint-path", str(TINY),
             "--wait", "120", "--weight-version", "w1", timeout=180,
@@ -424,7 +426,7 @@ def test_push_on_a_terminal_shows_progress_there_and_its_result_on_stdout(short_
     sock = str(short_tmp / "serve.sock")
     with (
         FakeServer(Behaviour(update_delay_s=3)) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60", ranks=1) as job,
     ):
         assert wait_for_path(sock)
         code, out, err = run_on_pty(

@@ -28,6 +28,7 @@ import os
 import socket
 import socketserver
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -582,8 +583,26 @@ def torchrun_job(
     running when the block ends is killed."""
     from torchrun_launch import torchrun_cmd
 
+    with running_job(torchrun_cmd(*program, **torchrun), env) as proc:
+        yield proc
+
+
+@contextlib.contextmanager
+def one_process_job(
+    *program: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """`python *program` as one process, not under torchrun (a job of one rank: its store in
+    memory, no process group), otherwise as `torchrun_job`. For the tests whose subject is the
+    job's clients, its log or its history, not its ranks: it costs a third of a 2-rank job's
+    CPU (every process imports torch), and the suite is CPU-bound."""
+    with running_job([sys.executable, *program], env) as proc:
+        yield proc
+
+
+@contextlib.contextmanager
+def running_job(cmd: list[str], env: dict[str, str] | None) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
-        torchrun_cmd(*program, **torchrun),
+        cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

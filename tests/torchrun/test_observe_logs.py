@@ -86,7 +86,7 @@ def test_a_serve_job_logs_a_failed_push_as_an_error_and_push_writes_json_lines(
     with (
         FakeServer(Behaviour()) as s,
         cpu_serve_job(
-            s.endpoint, "--control-socket", sock, *json_logs, env={"OMP_NUM_THREADS": "1"}
+            s.endpoint, "--control-socket", sock, *json_logs, env={"OMP_NUM_THREADS": "1"}, ranks=1
         ) as job,
     ):
         assert wait_for_path(sock), "the control socket never appeared"

@@ -216,15 +216,15 @@ def test_one_deadline_bounds_several_requests_together() -> None:
 
 @pytest.mark.slow
 def test_serve_a_trickling_server_fails_only_that_push(short_tmp: Path) -> None:
-    """A 2-rank serve job (ParameterServer stood in): the server trickles its answer to the
-    update, the push fails at --push-timeout with exit 4, and the job serves the next push."""
+    """A serve job (one process, ParameterServer stood in): the server trickles its answer to
+    the update, the push fails at --push-timeout with exit 4, and the job serves the next push."""
     from conftest import cpu_serve_job, wait_for_path
 
     sock = str(short_tmp / "serve.sock")
     paths = ("/update_weights_from_ipc",)
     with (
         FakeServer(Behaviour(mode="trickle_body", mode_paths=paths)) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "5") as job,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "5", ranks=1) as job,
     ):
         assert wait_for_path(sock)
         push = ("push", "--control-socket", sock, "--checkpoint-path", str(TINY))
