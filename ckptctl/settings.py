@@ -1,7 +1,5 @@
-"""The words every layer shares for what a command was asked: one enum per set of values
-(the server's kind, how a share is registered, how weights reach the servers, how they are
-proven, whether the p2p store starts, what the servers do with their generations meanwhile), and one name per setting that a message may tell the
-operator to change (`Setting`). The CLI offers the value sets as flag choices as they are; they
+"""The words every layer shares for what a command was asked: one enum per set of values, and
+one name per setting that a message may tell the operator to change (`Setting`). The CLI offers the value sets as flag choices as they are; they
 are str-valued, so a JSON result shows the same words. A setting is spelled as a flag in one
 place, `Setting.flag`, for the messages; inside ckptctl it travels by its name. No imports
 beyond the standard library: the CLI starts fast.

@@ -11,10 +11,8 @@ shows is JobStatus, with the push log that `status --history` lists (state.PushL
 
 A push runs the stages of `update` (push.py) in a store scope of its own (`push<seq>/`), so
 that one push's keys never answer the next one's waits. Its deadline is the job's
-`--push-timeout`: the stages see it as their watchdog's (PushClock), and a push that runs
-past it fails alone where it can; the job's own watchdog ends the job only HARD_GRACE_S later,
-for a push stuck where nothing else can end it. Any failure of a push fails that push on every
-rank, and the job goes on serving.
+`--push-timeout` (push.PushClock). Any failure of a push fails that push on every rank, and
+the job goes on serving.
 """
 
 from __future__ import annotations

@@ -9,9 +9,6 @@ How a push fails without ending the job:
   the push fails with `"server_weights": "partial"` (the next whole push mends them); where
   that path does not end it within STUCK_TRANSFER_GRACE_S, the job ends as `update` would.
 
-The push's deadline (PushClock) is what its stages see as the watchdog's; the job's own
-watchdog ends the job only HARD_GRACE_S after it, for a stage nothing else can end.
-
 checkpoint-engine's store barrier reuses one key (its issue #106): from the second update on
 it no longer waits for the other ranks, so a push ends with a barrier of ours under the push's
 own scope before any rank unregisters the previous checkpoint or refills its buffers.

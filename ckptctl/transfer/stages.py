@@ -1,8 +1,6 @@
-"""The stages the GPU commands are built from, each timed and shown by the job's reporter.
-
-plan_share → start_parameter_server → (registration.py) → wait_for_server → build_group
-→ gather_metas → push → verify_weight_version, in the order transfer.py runs them;
-hold_for_joiners keeps the weights up for joiners (save-metas, --sleep-time).
+"""The stages the GPU commands are built from, each timed and shown by the job's reporter;
+transfer/sequence.py runs them in order. hold_for_joiners keeps the weights up for joiners
+(save-metas, --sleep-time).
 """
 
 from __future__ import annotations
