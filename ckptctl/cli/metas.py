@@ -12,7 +12,7 @@ from ckptctl.cli._output import Output
 from ckptctl.errors import OperationFailed, UsageError
 
 if TYPE_CHECKING:
-    from ckptctl.metas import CheckpointTensor, Difference, MetasSummary
+    from ckptctl.metas import Difference, MetasSummary
 
 _SHOWN_DIFFERENCES = 20
 
@@ -68,7 +68,9 @@ def inspect_metas_command(
     summary = summarize(metas_file)
     diffs: list[Difference] | None = None
     if checkpoint_path is not None:
-        diffs = compare_with_checkpoint(metas_file.metas, _checkpoint_tensors(checkpoint_path))
+        from ckptctl.checkpoint import read_checkpoint
+
+        diffs = compare_with_checkpoint(metas_file.metas, read_checkpoint(checkpoint_path).tensors)
 
     if json_output:
         doc = summary.as_json()
@@ -87,16 +89,6 @@ def inspect_metas_command(
         raise OperationFailed(
             f"{file} does not match {checkpoint_path}: {len(diffs)} difference(s)"
         )
-
-
-def _checkpoint_tensors(path: Path) -> list[CheckpointTensor]:
-    from ckptctl.checkpoint import read_checkpoint
-    from ckptctl.metas import CheckpointTensor
-
-    return [
-        CheckpointTensor(t.name, t.dtype, tuple(t.shape), t.end - t.start)
-        for t in read_checkpoint(path).tensors
-    ]
 
 
 def _show(out: Output, summary: MetasSummary) -> None:

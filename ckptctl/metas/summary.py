@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ckptctl.checkpoint.headers import SAFETENSORS_DTYPES
+from ckptctl.checkpoint.headers import SAFETENSORS_DTYPES, TensorInfo
 
 if TYPE_CHECKING:
     from checkpoint_engine.data_types import MemoryBufferMetaList
@@ -182,12 +182,7 @@ class Difference:
     checkpoint: str | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "metas": self.metas,
-            "checkpoint": self.checkpoint,
-        }
+        return asdict(self)
 
     def describe(self) -> str:
         if self.kind == "missing_in_metas":
@@ -200,7 +195,7 @@ class Difference:
 
 
 def compare_with_checkpoint(
-    metas: dict[int, MemoryBufferMetaList], checkpoint: Iterable[CheckpointTensor]
+    metas: dict[int, MemoryBufferMetaList], checkpoint: Iterable[CheckpointTensor | TensorInfo]
 ) -> list[Difference]:
     """Names, dtypes, shapes and sizes that differ, in checkpoint order, then metas extras."""
     held: dict[str, list[TensorEntry]] = {}
