@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
@@ -187,7 +186,7 @@ def push_command(
             pause=pause,
         ),
         _client_output(json_output, quiet, log_format),
-        JobAddress(control_socket, endpoint, uds, wait),
+        _which_job_kwargs(control_socket, endpoint, uds, wait),
         timeout,
     )
 
@@ -218,7 +217,7 @@ def stage_command(
     run_command(
         functools.partial(client.stage, checkpoint_path, allow_layout_change=allow_layout_change),
         _client_output(json_output, quiet, log_format),
-        JobAddress(control_socket, endpoint, uds, wait),
+        _which_job_kwargs(control_socket, endpoint, uds, wait),
         timeout,
     )
 
@@ -244,7 +243,7 @@ def rollback_command(
     run_command(
         client.rollback,
         _client_output(json_output, quiet, log_format),
-        JobAddress(control_socket, endpoint, uds, wait),
+        _which_job_kwargs(control_socket, endpoint, uds, wait),
         timeout,
     )
 
@@ -257,17 +256,22 @@ def _client_output(json_output: bool, quiet: bool, log_format: o.LogFormatChoice
     return out
 
 
-@dataclass(frozen=True)
-class JobAddress:
-    """How a client command's flags name its serve job (ckptctl.client.find_job's arguments)."""
+def _which_job_kwargs(
+    control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
+) -> dict[str, Any]:
+    """The client's arguments that find the job, its messages naming the CLI's flags."""
+    from ckptctl.serve.control_client import FLAGS
 
-    control_socket: str | None
-    endpoint: list[str] | None
-    uds: list[str] | None
-    wait: float
+    return {
+        "control_socket": control_socket,
+        "endpoint": endpoint or (),
+        "uds": uds or (),
+        "wait": wait,
+        "names": FLAGS,
+    }
 
 
-def run_command(send: Any, out: Output, job: JobAddress, timeout: float) -> None:
+def run_command(send: Any, out: Output, job: dict[str, Any], timeout: float) -> None:
     """Find the job, send it a push, stage or rollback (`send`: ckptctl.client's, its own
     arguments bound) with a push id of its own, show its progress while it runs, cancel it on
     Ctrl-C, then report its answer (stdout: the result)."""
@@ -278,9 +282,7 @@ def run_command(send: Any, out: Output, job: JobAddress, timeout: float) -> None
     from ckptctl.serve.control_client import FLAGS
 
     started = time.monotonic()
-    path = client.find_job(
-        job.control_socket, job.endpoint or (), job.uds or (), min(job.wait, timeout), names=FLAGS
-    )
+    path = client.find_job(**job | {"wait": min(job["wait"], timeout)})
     push_id = secrets.token_hex(8)
     progress = PushProgress(out)
     try:
@@ -460,21 +462,6 @@ def status_command(
     else:
         for line in describe_status(doc, doc["control_socket"]):
             out.show(line)  # (each a line of its own: a path's line break is shown as \n)
-
-
-def _which_job_kwargs(
-    control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
-) -> dict[str, Any]:
-    """The client's arguments that find the job, its messages naming the CLI's flags."""
-    from ckptctl.serve.control_client import FLAGS
-
-    return {
-        "control_socket": control_socket,
-        "endpoint": endpoint or (),
-        "uds": uds or (),
-        "wait": wait,
-        "names": FLAGS,
-    }
 
 
 def stop_command(
