@@ -133,7 +133,6 @@ EndpointsOpt = Annotated[
         "spaces).",
     ),
 ]
-# doctor: the servers to check, none by default.
 CheckEndpointsOpt = Annotated[
     list[str] | None,
     _from_env(
@@ -189,7 +188,6 @@ _PAUSE_HELP = (
     "Every server is paused before the transfer and resumed after it, also when it fails."
 )
 PauseOpt = Annotated[PauseMode, _opt("--pause", metavar="MODE", panel=SERVER, help=_PAUSE_HELP)]
-# push: the serve job's --pause unless given.
 PushPauseOpt = Annotated[
     PauseMode | None,
     _opt(
@@ -223,7 +221,6 @@ def _timeout(low: float, panel: str, help: str) -> Any:
 TimeoutOpt = Annotated[
     float, _timeout(1, TRANSFER, "Give up the whole command after this many seconds (exit 4).")
 ]
-# push, stage, rollback, status, stop: the command, its wait for a job included.
 ClientTimeoutOpt = Annotated[
     float,
     _timeout(
@@ -260,7 +257,6 @@ def _checkpoint_path(more: str = "") -> Any:
 
 
 CheckpointPathOpt = Annotated[Path, _checkpoint_path()]
-# update: a checkpoint, or --load-metas-file to join.
 CheckpointPathOrJoinOpt = Annotated[
     Path | None, _checkpoint_path(" Required unless --load-metas-file is given.")
 ]
