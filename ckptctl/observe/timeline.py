@@ -211,14 +211,10 @@ def finish(job: Any) -> None:
     if _requested is None:
         return
     mine = rank_events(job.launch.rank, job.reporter.figures.stages, take_spans())
-    if job.coordinator is None:
-        ranks = [mine]
-    else:
-        job.coordinator.publish("trace", {"events": mine})
-        if job.launch.rank != 0:
-            return
-        timeout = max(job.watchdog.remaining(), 1.0)
-        ranks = [d["events"] for d in job.coordinator.collect("trace", timeout_s=timeout)]
+    gathered = job.gather("trace", {"events": mine})
+    if gathered is None:
+        return
+    ranks = [d["events"] for d in gathered]
     if job.launch.rank == 0:
         try:  # (the job did its work: a trace it cannot write is worth a warning, no more)
             count = write(_requested, [e for events in ranks for e in events])

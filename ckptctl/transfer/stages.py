@@ -190,12 +190,8 @@ def check_same_plan(
         first = docs[0]  # (every rank compares with rank 0, and refuses alike)
     elif job.coordinator is None:
         return [mine]
-    else:
-        job.coordinator.publish("plan", mine)
-        if job.launch.rank != 0:
-            return []
-        docs = job.coordinator.collect("plan", timeout_s=max(job.watchdog.remaining(), 1.0))
-        first = mine
+    else:  # (rank 0 compares; the others publish theirs and have none to compare)
+        docs, first = job.gather("plan", mine) or [], mine
     for rank, doc in enumerate(docs):
         if doc.get("fingerprint") != first["fingerprint"]:
             raise InvalidInput(

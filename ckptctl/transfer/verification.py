@@ -44,12 +44,7 @@ def _share(job: Job, key: str, doc: dict[str, Any], *, wanted: bool = True) -> l
     push's go over its group: what they prove is what the push reports."""
     if job.exchange is not None:
         return job.exchange(key, doc)
-    if job.coordinator is None:
-        return [doc]
-    job.coordinator.publish(key, doc)
-    if not wanted:
-        return []
-    return job.coordinator.collect(key, timeout_s=max(job.watchdog.remaining(), 1.0))
+    return job.gather(key, doc, collect=wanted) or []
 
 
 def check_offers(
