@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import server_pause
 from ckptctl.errors import OperationFailed, print_error
 from ckptctl.job.coordination import PAST_DEADLINE_S
+from ckptctl.results import utc
 from ckptctl.settings import PAUSE_MODES, PauseMode, ServerKind, Setting
 
 if TYPE_CHECKING:
@@ -42,10 +43,6 @@ if TYPE_CHECKING:
 RESUME_BUDGET_S = 30.0
 EXIT_RESUME_BUDGET_S = 10.0
 DRAIN_POLL_S = 0.005
-
-
-def utc(when: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
 
 
 def node_servers(servers: ServerTargets, launch: LaunchInfo) -> list[ServerAddress]:
