@@ -542,7 +542,7 @@ def identify(address: ServerAddress, timeout: float) -> Identity:
 
 
 def check_weights_checker(address: ServerAddress, engine: ServerKind, timeout: float) -> Check:
-    """Which of --verify's actions the server's weights checker offers (verify.probe)."""
+    """Which of --verify's actions the server's weights checker offers (weights_checker.probe)."""
     from ckptctl.errors import CkptctlError
     from ckptctl.weights_checker import CHECKER_PATH, CHECKSUM, COMPARE_CHECKSUM, Checker, probe
 

@@ -44,7 +44,7 @@ class RegisterMode(Word):
     """How a rank's share reaches pinned memory."""
 
     ce_copy = "engine"  # checkpoint-engine copies it from the file mapping (--register-mode engine)
-    direct = "direct"  # read straight into buffers pinned in place (pinning.py)
+    direct = "direct"  # read straight into buffers pinned in place (host_memory/_cuda_pinning.py)
     consume = "consume"  # --consume-shm-files: /dev/shm files pinned in place, then deleted
 
 

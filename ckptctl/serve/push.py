@@ -1,4 +1,4 @@
-"""One push of a serve job: the transfer of `update` (transfer.py), on every rank.
+"""One push of a serve job: the transfer of `update` (transfer/sequence.py), on every rank.
 
 How a push fails without ending the job:
 - before the transfer (a bad checkpoint, a server that is not up): every rank gives up on the
@@ -121,7 +121,7 @@ class PushFailure:
         if self.session.rescue(message):
             return
         # The workers connected: a cancel sends checkpoint-engine down its own error path on
-        # every rank (parameter_server.ReplyWatchingSocket.cancel). Where even that does not
+        # every rank (ce/transfer_sockets.ReplyWatchingSocket.cancel). Where even that does not
         # end the transfer (a peer rank stuck in NCCL), only ending the process frees it.
         self.session.cancel(message)
         threading.Thread(

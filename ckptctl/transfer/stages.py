@@ -120,7 +120,7 @@ def plan_share(
 ) -> tuple[Checkpoint, Plan, RankPlan]:
     """(checkpoint, plan, this rank's share): every rank computes the same plan on its own
     (already, when `early` started it before the job did). check: compare every rank's plan
-    now (check_same_plan); False when the caller does, later (a serve push: transfer.py)."""
+    now (check_same_plan); False when the caller does, later (a serve push: sequence.py)."""
     with job.reporter.stage("split", "planning the split") as st:
         if early is not None:
             checkpoint, plan = early.wait(job.watchdog.remaining())

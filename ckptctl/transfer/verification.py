@@ -28,7 +28,7 @@ class Verification:
 
     how: Verify
     servers: int
-    hasher: Any = None  # verify.BackgroundHasher, for Verify.checksum
+    hasher: Any = None  # weights_checker.BackgroundHasher, for Verify.checksum
     details: dict[str, Any] = field(default_factory=dict)
 
 
