@@ -2,19 +2,16 @@
 
 httpx's timeouts are per operation: each read may wait `timeout` seconds, so a server that
 sends one byte a second (of its headers or of its body) keeps an exchange going for ever,
-and one that streams an endless body fills memory. Here every exchange has
-
-- a deadline for the whole of it (connect, send, headers, body): each socket operation waits
-  at most what is left of it. The deadline is the client's timeout, counted from the start of
-  each request; `deadline(seconds)` bounds several requests together (one readiness probe);
-- a cap on the body (`max_response_bytes`, 1 MiB by default; a Content-Length above it is
-  refused before anything is read). h11 already caps the headers at 100 kB.
+and one that streams an endless body fills memory. Here every exchange has a deadline for the
+whole of it (connect, send, headers, body: each socket operation waits at most what is left;
+`deadline(seconds)` bounds several requests together) and a cap on the body
+(`bounded_client`; a Content-Length above it is refused before anything is read; h11 already
+caps the headers at 100 kB).
 
 Running past the deadline raises httpx.ReadTimeout (or ConnectTimeout/WriteTimeout), so callers
 catch httpx.TimeoutException as before; an oversized answer raises `ResponseTooLarge`, an
-httpx.TransportError. Unix sockets work as with httpx (`uds=`), once their owner and the
-process listening are known to be this user or root (else `UntrustedSocket`, not an httpx
-error: waiting will not make the socket anyone else's).
+httpx.TransportError. An untrusted Unix socket raises `UntrustedSocket`, not an httpx error:
+waiting will not make the socket anyone else's.
 
 Not bounded: name resolution (getaddrinfo) for a host name that is not in /etc/hosts.
 

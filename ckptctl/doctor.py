@@ -1,11 +1,8 @@
 """`ckptctl doctor`: what a first run needs, checked one item at a time, each with its fix.
 
-A check is needed (status "fail" when it does not pass: the command exits 1) where `update`,
-`serve` or `join` cannot run without it: CUDA with a GPU, checkpoint-engine in the range
-ckptctl was written for, torch's launcher, and each server asked about answering like SGLang
-or vLLM. The rest is advisory ("warn"): what only p2p needs (RDMA devices, locked memory),
-what fails only under load or in some set-ups (open files, /dev/shm), the weights checker
-(only --verify needs it).
+Which checks fail (exit 1) and which only warn is `ckptctl doctor --help`'s (the command's
+docstring, ckptctl/cli/doctor.py): a check fails where `update`, `serve` or `join` cannot run
+without it.
 
 torch and checkpoint-engine are imported inside the checks that need them; the server checks
 reuse the readiness probe (readiness.py) and --verify's capability probe (weights_checker.py), each
@@ -545,7 +542,7 @@ def identify(address: ServerAddress, timeout: float) -> Identity:
 
 
 def check_weights_checker(address: ServerAddress, engine: ServerKind, timeout: float) -> Check:
-    """Which of --verify's actions the server's weights checker offers (verify.probe)."""
+    """Which of --verify's actions the server's weights checker offers (weights_checker.probe)."""
     from ckptctl.errors import CkptctlError
     from ckptctl.weights_checker import CHECKER_PATH, CHECKSUM, COMPARE_CHECKSUM, Checker, probe
 

@@ -35,7 +35,7 @@ class CkptctlError(Exception):
 
     exit_code: ExitCode = ExitCode.FAILED
     # The traceback of what caused it, as text, where the cause itself must not be kept
-    # (it would hold GPU buffers alive: parameter_server.drop_frames); shown by CKPTCTL_DEBUG.
+    # (it would hold GPU buffers alive: ce/session.drop_frames); shown by CKPTCTL_DEBUG.
     debug_traceback: str | None = None
 
 

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
@@ -45,9 +46,9 @@ def expected() -> bool:
     return _stream is not None
 
 
-def owed() -> bool:
-    """A document is owed on stdout and none went out yet."""
-    return _stream is not None and not _written
+def utc(when: float | None = None) -> str:
+    """A result's timestamp: `when` (time.time(); default: now) as 2026-01-31T12:00:00Z."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
 
 
 def envelope(fields: dict[str, Any], *, code: int = 0, error: str | None = None) -> dict[str, Any]:

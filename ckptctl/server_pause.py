@@ -2,15 +2,12 @@
 `--pause` (the job's half is transfer/pausing.py). What each engine and version answers, and
 why ckptctl sends what it sends, is in docs/pause-contract.md; in short:
 
-- the version first (SGLang: GET /get_server_info, then /server_info; vLLM: GET /version): a
-  mode the version cannot honour is refused before anything is sent, since the server would
-  not say so itself (SGLang before 0.5.6 and vLLM before 0.16 take any mode and abort every
-  request; SGLang 0.5.6-0.5.10 deadlocks an IPC update while requests are held);
-- pause: SGLang POST /pause_generation {"mode": M}; vLLM POST /pause?mode=M (a query string:
-  vLLM ignores a body). Answered 200 once paused (SGLang's abort and vLLM's abort and wait
-  only once the generations in flight have ended: the drain);
-- resume: SGLang POST /continue_generation {}; vLLM POST /resume. Both are idempotent, so a
-  resume is retried on a 5xx, a timeout or a broken connection, within a bound.
+- the version first (VERSION_PATHS): a mode the version cannot honour (TOO_OLD) is refused
+  before anything is sent, since the server would not say so itself;
+- pause (PAUSE_PATHS; vLLM reads the mode from a query string only, `pause_request`), answered
+  once paused (abort, and vLLM's wait, once the generations in flight have ended: the drain);
+- resume (RESUME_PATHS): idempotent on both, so retried on a 5xx, a timeout or a broken
+  connection, within a bound.
 
 Every exchange is bounded (bounded_http.py) and carries the API key as the update does (SGLang's
 pause routes are ADMIN_OPTIONAL: the admin key, else the API key). Only httpx is imported.

@@ -1,10 +1,9 @@
-"""The words every layer shares for what a command was asked: one enum per set of values
-(the server's kind, how a share is registered, how weights reach the servers, how they are
-proven, whether the p2p store starts, what the servers do with their generations meanwhile), and one name per setting that a message may tell the
-operator to change (`Setting`). The CLI offers the value sets as flag choices as they are; they
-are str-valued, so a JSON result shows the same words. A setting is spelled as a flag in one
-place, `Setting.flag`, for the messages; inside ckptctl it travels by its name. No imports
-beyond the standard library: the CLI starts fast.
+"""The words every layer shares for what a command was asked: one enum per set of values, and
+one name per setting that a message may tell the operator to change (`Setting`). The CLI offers
+the value sets as flag choices as they are (what each value means is the flag's help, in
+cli/_options.py); they are str-valued, so a JSON result shows the same words. A setting is
+spelled as a flag in one place, `Setting.flag`, for the messages; inside ckptctl it travels by
+its name. No imports beyond the standard library: the CLI starts fast.
 """
 
 from __future__ import annotations
@@ -29,23 +28,23 @@ class ServerKind(Word):
 class ReadyCondition(Word):
     """What `wait-ready --for` waits for."""
 
-    listening = "listening"  # the server answers HTTP at all (SGLang's 503 while it starts too)
-    healthy = "healthy"  # its health endpoint answers 200
+    listening = "listening"
+    healthy = "healthy"
 
 
 class SplitMode(Word):
-    """How a checkpoint is split across ranks; both balance bytes."""
+    """How a checkpoint is split across ranks (`--split`)."""
 
-    auto = "auto"  # whichever leaves the largest rank smaller (ties: files)
-    files = "files"  # whole files per rank
-    tensors = "tensors"  # single tensors per rank
+    auto = "auto"
+    files = "files"
+    tensors = "tensors"
 
 
 class RegisterMode(Word):
     """How a rank's share reaches pinned memory."""
 
     ce_copy = "engine"  # checkpoint-engine copies it from the file mapping (--register-mode engine)
-    direct = "direct"  # read straight into buffers pinned in place (pinning.py)
+    direct = "direct"  # read straight into buffers pinned in place (host_memory/_cuda_pinning.py)
     consume = "consume"  # --consume-shm-files: /dev/shm files pinned in place, then deleted
 
 
@@ -64,11 +63,12 @@ class UpdateMethod(Word):
 
 
 class Verify(Word):
-    """A way to prove what the servers hold (the words of a result's `"verified"`)."""
+    """A way to prove what the servers hold (the words of a result's `"verified"`; what each
+    proves, in words: weights_checker.VERIFY_HOWS)."""
 
-    checksum = "checksum"  # the SHA-256 of every tensor (compare_checksum)
-    per_server = "per-engine"  # every server the same checksum (SGLang's per-engine one)
-    round_trip = "round-trip"  # snapshot, reset_tensors, update, compare
+    checksum = "checksum"
+    per_server = "per-engine"
+    round_trip = "round-trip"
 
 
 # What each flag accepts, strongest first: the servers' offers decide among them.

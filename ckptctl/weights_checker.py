@@ -140,11 +140,15 @@ class Checker:
         """Ask; anything but success is a failure that quotes the server."""
         answer = self.ask(action, **fields)
         if not answer.succeeded:
-            raise OperationFailed(
-                f"{self.where} failed the weights checker's {action!r}: HTTP {answer.status}: "
-                f"{one_line(answer.message)}"
-            )
+            raise self.failed(action, answer)
         return answer
+
+    def failed(self, action: str, answer: Answer, silent: str = "") -> OperationFailed:
+        """`action` failed: the error quotes the server's answer (`silent` where it says none)."""
+        return OperationFailed(
+            f"{self.where} failed the weights checker's {action!r}: HTTP {answer.status}: "
+            f"{one_line(answer.message) or silent}"
+        )
 
 
 # -- what a server offers --------------------------------------------------------------------
@@ -172,10 +176,7 @@ def probe(checker: Checker) -> list[str]:
     if second.succeeded:
         parse_checksums(second.doc or {}, checker.where)  # its answer must be one we can read
         return [CHECKSUM, COMPARE]
-    raise OperationFailed(
-        f"{checker.where} failed the weights checker's {CHECKSUM!r}: HTTP {second.status}: "
-        f"{one_line(second.message)}"
-    )
+    raise checker.failed(CHECKSUM, second)
 
 
 def plan_verification(offers: Sequence[tuple[str, Sequence[str]]], *, round_trip: bool) -> str:
@@ -297,10 +298,7 @@ def check_expected(checker: Checker, expected: dict[str, str]) -> None:
             else f"it disputes the checksums: {one_line(answer.message)}"
         )
         raise OperationFailed(f"{checker.where} does not hold the checkpoint: {what}")
-    raise OperationFailed(
-        f"{checker.where} failed the weights checker's {COMPARE_CHECKSUM!r}: HTTP "
-        f"{answer.status}: {one_line(answer.message)}"
-    )
+    raise checker.failed(COMPARE_CHECKSUM, answer)
 
 
 _NAME_FIELD = re.compile(r"name=([^\s,;'\"]+)")
@@ -453,7 +451,4 @@ def round_trip_compare(checker: Checker) -> None:
             f"{len(names)} parameter(s) differ: {_list(names)} (was it started from this "
             "checkpoint, not --load-format dummy?)"
         )
-    raise OperationFailed(
-        f"{checker.where} failed the weights checker's 'compare': HTTP {answer.status}: "
-        f"{one_line(answer.message) or '(no message: was the snapshot lost?)'}"
-    )
+    raise checker.failed(COMPARE, answer, "(no message: was the snapshot lost?)")

@@ -40,32 +40,36 @@ MAX_INDEX_BYTES = MAX_HEADER_BYTES
 # near it (any other is bounded by its bytes), and torch fails on it in C++ with a stack trace.
 MAX_ELEMENTS = 2**63 - 1
 
-# Bits per element of every safetensors dtype (the Rust crate's list, plus the FNUZ variants
-# that safetensors' Python side writes). F4 and F6 pack several elements into a byte.
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8,
-    "U8": 8,
-    "I8": 8,
-    "F8_E5M2": 8,
-    "F8_E4M3": 8,
-    "F8_E8M0": 8,
-    "F8_E4M3FNUZ": 8,
-    "F8_E5M2FNUZ": 8,
-    "I16": 16,
-    "U16": 16,
-    "F16": 16,
-    "BF16": 16,
-    "I32": 32,
-    "U32": 32,
-    "F32": 32,
-    "C64": 64,
-    "F64": 64,
-    "I64": 64,
-    "U64": 64,
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
+# Every safetensors dtype (the Rust crate's list, plus the FNUZ variants that safetensors'
+# Python side writes): its bits per element, and the name of its torch dtype (looked up at run
+# time: older torch builds lack some, e.g. uint16/32/64 before 2.3 and float8_e8m0fnu before
+# 2.7; None: torch has none). F4 and F6 pack several elements into a byte; torch's F4 holds two
+# 4-bit values per byte: the safetensors shape counts values, torch's counts bytes.
+SAFETENSORS_DTYPES: dict[str, tuple[int, str | None]] = {
+    "BOOL": (8, "bool"),
+    "U8": (8, "uint8"),
+    "I8": (8, "int8"),
+    "F8_E5M2": (8, "float8_e5m2"),
+    "F8_E4M3": (8, "float8_e4m3fn"),
+    "F8_E8M0": (8, "float8_e8m0fnu"),
+    "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"),
+    "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"),
+    "I16": (16, "int16"),
+    "U16": (16, "uint16"),
+    "F16": (16, "float16"),
+    "BF16": (16, "bfloat16"),
+    "I32": (32, "int32"),
+    "U32": (32, "uint32"),
+    "F32": (32, "float32"),
+    "C64": (64, "complex64"),
+    "F64": (64, "float64"),
+    "I64": (64, "int64"),
+    "U64": (64, "uint64"),
+    "F4": (4, "float4_e2m1fn_x2"),
+    "F6_E2M3": (6, None),
+    "F6_E3M2": (6, None),
 }
+DTYPE_BITS = {name: bits for name, (bits, _) in SAFETENSORS_DTYPES.items()}
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf")
 
 

@@ -20,38 +20,14 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ckptctl.checkpoint.headers import Checkpoint, TensorInfo, open_planned
+from ckptctl.checkpoint.headers import SAFETENSORS_DTYPES, Checkpoint, TensorInfo, open_planned
 from ckptctl.checkpoint.plan import RankPlan
 from ckptctl.errors import InvalidInput
 
 if TYPE_CHECKING:
     import torch
 
-# safetensors dtype -> torch dtype attribute name (looked up at run time: older torch builds
-# lack some, e.g. uint16/32/64 before 2.3 and float8_e8m0fnu before 2.7).
-TORCH_DTYPE_NAMES: dict[str, str] = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "C64": "complex64",
-    "F64": "float64",
-    "I64": "int64",
-    "U64": "uint64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-    # Two 4-bit values per byte: the safetensors shape counts values, torch's counts bytes.
-    "F4": "float4_e2m1fn_x2",
-}
+TORCH_DTYPE_NAMES = {name: attr for name, (_, attr) in SAFETENSORS_DTYPES.items() if attr}
 
 
 def torch_dtype(dtype: str) -> torch.dtype | None:

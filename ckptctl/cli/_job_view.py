@@ -123,12 +123,21 @@ def history_rows(doc: dict[str, Any]) -> list[list[str]]:
     first, its values whole (a table wraps paths at 80 columns, and grep finds nothing)."""
     rows = [list(HISTORY_COLUMNS)]
     for p in doc.get("pushes") or []:
-        what = p.get("outcome") or "-"
-        if p.get("action") not in (None, "push") and what != "rolled back":
-            what += f" ({p['action']})"
-        values = {**p, "outcome": what, "server_weights": p.get("server_weights") or "unchanged"}
+        values = {
+            **p,
+            "outcome": _outcome(p),
+            "server_weights": p.get("server_weights") or "unchanged",
+        }
         rows.append(["-" if values.get(c) is None else str(values[c]) for c in HISTORY_COLUMNS])
     return rows
+
+
+def _outcome(push: dict[str, Any]) -> str:
+    """`status --history`'s outcome (a stage, a restore, a rollback that failed: which it was)."""
+    what = push.get("outcome") or "-"
+    if push.get("action") not in (None, "push") and what != "rolled back":
+        what += f" ({push['action']})"
+    return what
 
 
 def history_table(doc: dict[str, Any]) -> Any:
@@ -153,13 +162,10 @@ def history_table(doc: dict[str, Any]) -> Any:
             overflow="fold",
         )
     for p in doc.get("pushes") or []:
-        what = p.get("outcome") or "-"
-        if p.get("action") not in (None, "push") and what != "rolled back":
-            what += f" ({p['action']})"  # a stage, a restore, a rollback that did not go through
         secs, when = p.get("wall_s"), p.get("finished_at")
         cells = (
             str(p.get("seq")),
-            what,
+            _outcome(p),
             str(p.get("weight_version") or "-"),
             str(p.get("checkpoint_path") or "-"),
             "-" if secs is None else f"{secs:.2f}s",

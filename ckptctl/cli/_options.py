@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckptctl.cli._choices import RegisterModeChoice
 from ckptctl.defaults import API_KEY_ENV, CONTROL_SOCKET_ENV, ENDPOINT_ENV, ENGINE_ENV, UDS_ENV
-from ckptctl.defaults import DEFAULT_ENDPOINT as DEFAULT_ENDPOINT  # (wait_ready imports it here)
 from ckptctl.settings import PauseMode, ServerKind, SplitMode
+
+if TYPE_CHECKING:
+    from ckptctl.cli._output import Output
 
 # Help panels: `update` has two dozen flags; they are grouped by what they are about. Typer
 # shows a flag in no panel under "Options", first: every flag here has one.
@@ -131,7 +133,6 @@ EndpointsOpt = Annotated[
         "spaces).",
     ),
 ]
-# doctor: the servers to check, none by default.
 CheckEndpointsOpt = Annotated[
     list[str] | None,
     _from_env(
@@ -187,7 +188,6 @@ _PAUSE_HELP = (
     "Every server is paused before the transfer and resumed after it, also when it fails."
 )
 PauseOpt = Annotated[PauseMode, _opt("--pause", metavar="MODE", panel=SERVER, help=_PAUSE_HELP)]
-# push: the serve job's --pause unless given.
 PushPauseOpt = Annotated[
     PauseMode | None,
     _opt(
@@ -221,7 +221,6 @@ def _timeout(low: float, panel: str, help: str) -> Any:
 TimeoutOpt = Annotated[
     float, _timeout(1, TRANSFER, "Give up the whole command after this many seconds (exit 4).")
 ]
-# push, stage, rollback, status, stop: the command, its wait for a job included.
 ClientTimeoutOpt = Annotated[
     float,
     _timeout(
@@ -258,7 +257,6 @@ def _checkpoint_path(more: str = "") -> Any:
 
 
 CheckpointPathOpt = Annotated[Path, _checkpoint_path()]
-# update: a checkpoint, or --load-metas-file to join.
 CheckpointPathOrJoinOpt = Annotated[
     Path | None, _checkpoint_path(" Required unless --load-metas-file is given.")
 ]
@@ -292,6 +290,16 @@ JoinFromMetasOpt = Annotated[
         "`ckptctl join`); no checkpoint is read."
     ),
 ]
+
+
+class RegisterModeChoice(str, Enum):
+    """--register-mode's choices (consume is asked for with its own flag, --consume-shm-files,
+    as it deletes files)."""
+
+    engine = "engine"
+    direct = "direct"
+
+
 SplitOpt = Annotated[
     SplitMode,
     _opt(
@@ -484,3 +492,74 @@ ResetServedWeightsOpt = Annotated[
         "until the update lands, and keeps them if the update fails.",
     ),
 ]
+
+# -- observing the job: metrics of a serve job, a trace file, JSON log lines ----------------------
+
+
+class LogFormatChoice(str, Enum):
+    text = "text"
+    json = "json"
+
+
+MetricsPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port",
+        metavar="PORT",
+        callback=at_least(1, 65535),
+        show_default=False,
+        rich_help_panel=SERVE_JOB,
+        help="Serve Prometheus metrics (pushes, their stages and bytes, the served version, the "
+        "job's state) on this port, from global rank 0. Needs the metrics extra: pip install "
+        "'ckptctl\\[metrics]'.",
+    ),
+]
+MetricsHostOpt = Annotated[
+    str,
+    typer.Option(
+        "--metrics-host",
+        metavar="HOST",
+        rich_help_panel=SERVE_JOB,
+        help="Address the metrics listen on (0.0.0.0: every interface; they are not "
+        "authenticated).",
+    ),
+]
+TraceOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--trace",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=OUTPUT,
+        help="Write a timeline of the job's stages on every rank (Chrome trace-event JSON: "
+        "open it in Perfetto or chrome://tracing). Replaces FILE only where it is a trace "
+        "written before; refuses any other file.",
+    ),
+]
+LogFormatOpt = Annotated[
+    LogFormatChoice,
+    typer.Option(
+        "--log-format",
+        metavar="FORMAT",
+        rich_help_panel=OUTPUT,
+        help="text, or json: one JSON object per log line on stderr (time, rank, stage, "
+        "message, figures), for log collectors.",
+    ),
+]
+
+
+def use_log_format(out: Output, log_format: LogFormatChoice) -> None:
+    """--log-format json: stderr as JSON lines from here on, and no live view."""
+    if log_format == LogFormatChoice.json:
+        from ckptctl.observe import logs
+
+        logs.use_json()
+        out.interactive = False
+
+
+def want_trace(out: Output, trace: Path | None) -> None:
+    """--trace FILE: checked now (exit 2 where it cannot be written); the job writes it."""
+    if trace is not None:
+        from ckptctl.observe import timeline
+
+        timeline.request(trace, primary=out.is_primary)

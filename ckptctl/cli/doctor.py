@@ -6,17 +6,7 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli._options import (
-    FLAG,
-    OUTPUT,
-    SERVER,
-    ApiKeyOpt,
-    CheckEndpointsOpt,
-    HelpOpt,
-    JsonOpt,
-    UdsListOpt,
-    at_least,
-)
+from ckptctl.cli import _options as o
 from ckptctl.cli._output import Output
 from ckptctl.errors import OperationFailed, redact
 from ckptctl.settings import PauseMode
@@ -25,16 +15,16 @@ STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
 
 def doctor_command(
-    endpoint: CheckEndpointsOpt = None,
-    uds: UdsListOpt = None,
-    api_key: ApiKeyOpt = None,
+    endpoint: o.CheckEndpointsOpt = None,
+    uds: o.UdsListOpt = None,
+    api_key: o.ApiKeyOpt = None,
     timeout: Annotated[
         float,
         typer.Option(
             "--timeout",
             metavar="SECONDS",
-            callback=at_least(0.1),
-            rich_help_panel=SERVER,
+            callback=o.at_least(0.1),
+            rich_help_panel=o.SERVER,
             help="Give up on the servers' answers after this many seconds in all: a server "
             "that does not answer fails its check (each --endpoint has an equal share).",
         ),
@@ -44,24 +34,24 @@ def doctor_command(
         typer.Option(
             "--pause",
             metavar="MODE",
-            rich_help_panel=SERVER,
+            rich_help_panel=o.SERVER,
             show_default=False,
             help="Also ask each server whether it offers this --pause mode (its version and "
             "routes, without pausing it).",
         ),
     ] = None,
-    json_output: JsonOpt = False,
+    json_output: o.JsonOpt = False,
     quiet: Annotated[
         bool,
         typer.Option(
             "--quiet",
             "-q",
-            metavar=FLAG,
-            rich_help_panel=OUTPUT,
+            metavar=o.FLAG,
+            rich_help_panel=o.OUTPUT,
             help="Only the checks that warn or fail, with their fixes (none: no output).",
         ),
     ] = False,
-    show_help: HelpOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Check what a first run needs (CUDA, the GPUs, checkpoint-engine, torchrun, limits,
     /dev/shm, RDMA, the servers) and say what to fix.

@@ -6,31 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptctl.cli._observe_options import (
-    LogFormatChoice,
-    LogFormatOpt,
-    TraceOpt,
-    use_log_format,
-    want_trace,
-)
-from ckptctl.cli._options import (
-    AllowPickleOpt,
-    ApiKeyOpt,
-    CheckpointNameOpt,
-    EndpointsOpt,
-    EngineOpt,
-    HelpOpt,
-    InferenceParallelSizeOpt,
-    JsonOpt,
-    LoadMetasFileOpt,
-    PauseOpt,
-    QuietOpt,
-    TimeoutOpt,
-    UdsListOpt,
-    VerboseOpt,
-    VerifyOpt,
-    WeightVersionOpt,
-)
+from ckptctl.cli import _options as o
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 from ckptctl.settings import PauseMode, ServerKind
@@ -40,24 +16,24 @@ if TYPE_CHECKING:
 
 
 def join_command(
-    load_metas_file: LoadMetasFileOpt,
-    checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
-    allow_pickle: AllowPickleOpt = False,
-    endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
-    uds: UdsListOpt = None,
-    engine: EngineOpt = ServerKind.sglang,
-    inference_parallel_size: InferenceParallelSizeOpt = 8,
-    weight_version: WeightVersionOpt = None,
-    pause: PauseOpt = PauseMode.none,
-    timeout: TimeoutOpt = 600,
-    api_key: ApiKeyOpt = None,
-    verify: VerifyOpt = False,
-    trace: TraceOpt = None,
-    log_format: LogFormatOpt = LogFormatChoice.text,
-    verbose: VerboseOpt = False,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    load_metas_file: o.LoadMetasFileOpt,
+    checkpoint_name: o.CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
+    allow_pickle: o.AllowPickleOpt = False,
+    endpoint: o.EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
+    uds: o.UdsListOpt = None,
+    engine: o.EngineOpt = ServerKind.sglang,
+    inference_parallel_size: o.InferenceParallelSizeOpt = 8,
+    weight_version: o.WeightVersionOpt = None,
+    pause: o.PauseOpt = PauseMode.none,
+    timeout: o.TimeoutOpt = 600,
+    api_key: o.ApiKeyOpt = None,
+    verify: o.VerifyOpt = False,
+    trace: o.TraceOpt = None,
+    log_format: o.LogFormatOpt = o.LogFormatChoice.text,
+    verbose: o.VerboseOpt = False,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Take a checkpoint from running holders over p2p and push it into this node's server.
 
@@ -78,8 +54,8 @@ def join_command(
         pause=pause,
     )
     out = Output(json_mode=json_output, quiet=quiet)
-    use_log_format(out, log_format)
-    want_trace(out, trace)
+    o.use_log_format(out, log_format)
+    o.want_trace(out, trace)
     run_join_job(out, load_metas_file, request, allow_pickle, verbose)
 
 

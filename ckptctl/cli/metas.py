@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckptctl.cli._options import CHECKPOINT, AllowPickleOpt, HelpOpt, JsonOpt, QuietOpt
+from ckptctl.cli import _options as o
 from ckptctl.cli._output import Output
 from ckptctl.errors import OperationFailed, UsageError
 
 if TYPE_CHECKING:
-    from ckptctl.metas import CheckpointTensor, Difference, MetasSummary
+    from ckptctl.metas import Difference, MetasSummary
 
 _SHOWN_DIFFERENCES = 20
 
@@ -33,7 +33,7 @@ def inspect_metas_command(
             "--load-metas-file",
             metavar="FILE",
             show_default=False,
-            rich_help_panel=CHECKPOINT,
+            rich_help_panel=o.CHECKPOINT,
             help="The metas file, as update and join name it (instead of FILE).",
         ),
     ] = None,
@@ -42,15 +42,15 @@ def inspect_metas_command(
         typer.Option(
             "--checkpoint-path",
             metavar="DIR",
-            rich_help_panel=CHECKPOINT,
+            rich_help_panel=o.CHECKPOINT,
             help="Also check the metas against this checkpoint's safetensors headers "
             "(names, dtypes, shapes, sizes); any difference is exit 1.",
         ),
     ] = None,
-    allow_pickle: AllowPickleOpt = False,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    allow_pickle: o.AllowPickleOpt = False,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Summarise a metas file: per owner rank, totals, dtypes, largest tensors. Needs no GPU."""
     from ckptctl.metas import compare_with_checkpoint, read_metas_file, summarize
@@ -68,7 +68,9 @@ def inspect_metas_command(
     summary = summarize(metas_file)
     diffs: list[Difference] | None = None
     if checkpoint_path is not None:
-        diffs = compare_with_checkpoint(metas_file.metas, _checkpoint_tensors(checkpoint_path))
+        from ckptctl.checkpoint import read_checkpoint
+
+        diffs = compare_with_checkpoint(metas_file.metas, read_checkpoint(checkpoint_path).tensors)
 
     if json_output:
         doc = summary.as_json()
@@ -87,16 +89,6 @@ def inspect_metas_command(
         raise OperationFailed(
             f"{file} does not match {checkpoint_path}: {len(diffs)} difference(s)"
         )
-
-
-def _checkpoint_tensors(path: Path) -> list[CheckpointTensor]:
-    from ckptctl.checkpoint import read_checkpoint
-    from ckptctl.metas import CheckpointTensor
-
-    return [
-        CheckpointTensor(t.name, t.dtype, tuple(t.shape), t.end - t.start)
-        for t in read_checkpoint(path).tensors
-    ]
 
 
 def _show(out: Output, summary: MetasSummary) -> None:

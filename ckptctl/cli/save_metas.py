@@ -7,51 +7,36 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli._choices import RegisterModeChoice
-from ckptctl.cli._observe_options import LogFormatChoice, LogFormatOpt, use_log_format
-from ckptctl.cli._options import (
-    CHECKPOINT,
-    CheckpointNameOpt,
-    CheckpointPathOpt,
-    HelpOpt,
-    HoldTimeOpt,
-    JsonOpt,
-    QuietOpt,
-    ReadThreadsOpt,
-    RegisterModeOpt,
-    SplitOpt,
-    TimeoutOpt,
-    VerboseOpt,
-)
+from ckptctl.cli import _options as o
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME
 from ckptctl.settings import SplitMode
 
 
 def save_metas_command(
-    checkpoint_path: CheckpointPathOpt,
+    checkpoint_path: o.CheckpointPathOpt,
     metas_file: Annotated[
         Path,
         typer.Option(
             "--save-metas-file",
             metavar="FILE",
             show_default=False,
-            rich_help_panel=CHECKPOINT,
+            rich_help_panel=o.CHECKPOINT,
             help="Where rank 0 writes the metas file (JSON, checksummed, written atomically), "
             "as `update --save-metas-file` does. Its older name, --metas-file, works too.",
         ),
     ],
-    checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
-    split: SplitOpt = SplitMode.auto,
-    register_mode: RegisterModeOpt = RegisterModeChoice.direct,
-    read_threads: ReadThreadsOpt = None,
-    sleep_time: HoldTimeOpt = None,
-    timeout: TimeoutOpt = 600,
-    log_format: LogFormatOpt = LogFormatChoice.text,
-    verbose: VerboseOpt = False,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    checkpoint_name: o.CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
+    split: o.SplitOpt = SplitMode.auto,
+    register_mode: o.RegisterModeOpt = o.RegisterModeChoice.direct,
+    read_threads: o.ReadThreadsOpt = None,
+    sleep_time: o.HoldTimeOpt = None,
+    timeout: o.TimeoutOpt = 600,
+    log_format: o.LogFormatOpt = o.LogFormatChoice.text,
+    verbose: o.VerboseOpt = False,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Register a checkpoint on every rank, write its metas file, and serve it to joiners.
 
@@ -66,7 +51,7 @@ def save_metas_command(
     from ckptctl.transfer.request import TransferRequest
 
     out = Output(json_mode=json_output, quiet=quiet)
-    use_log_format(out, log_format)
+    o.use_log_format(out, log_format)
     request = TransferRequest(
         ServerTargets(),  # (none: it holds the weights for joiners)
         checkpoint_path=str(checkpoint_path),

@@ -9,55 +9,11 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
 
-from ckptctl.cli._choices import RegisterModeChoice
-from ckptctl.cli._observe_options import (
-    LogFormatChoice,
-    LogFormatOpt,
-    MetricsHostOpt,
-    MetricsPortOpt,
-    TraceOpt,
-    use_log_format,
-)
-from ckptctl.cli._options import (
-    FLAG,
-    OUTPUT,
-    TRANSFER,
-    WAITING,
-    ApiKeyOpt,
-    BucketSizeOpt,
-    CheckpointPathOpt,
-    ClientTimeoutOpt,
-    ConsumeShmOpt,
-    ControlSocketOpt,
-    EndpointsOpt,
-    EngineOpt,
-    FindEndpointOpt,
-    FindUdsOpt,
-    HelpOpt,
-    InferenceParallelSizeOpt,
-    JobSocketOpt,
-    JsonOpt,
-    MemFractionOpt,
-    PauseOpt,
-    PushNameOpt,
-    PushPauseOpt,
-    PushTimeoutOpt,
-    QuietOpt,
-    ReadThreadsOpt,
-    RegisterModeOpt,
-    SplitOpt,
-    UdsListOpt,
-    VerboseOpt,
-    VerifyOpt,
-    WaitOpt,
-    WeightVersionOpt,
-    at_least,
-)
+from ckptctl.cli import _options as o
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_ENDPOINT, PUSH_LOG_SIZE
 from ckptctl.errors import CkptctlError, UsageError, log_line, redact
@@ -65,24 +21,24 @@ from ckptctl.settings import PauseMode, ServerKind, Setting, SplitMode
 
 
 def serve_command(
-    endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
-    uds: UdsListOpt = None,
-    inference_parallel_size: InferenceParallelSizeOpt = 8,
-    engine: EngineOpt = ServerKind.sglang,
-    api_key: ApiKeyOpt = None,
-    pause: PauseOpt = PauseMode.none,
-    control_socket: ControlSocketOpt = None,
-    split: SplitOpt = SplitMode.auto,
-    register_mode: RegisterModeOpt = RegisterModeChoice.direct,
-    read_threads: ReadThreadsOpt = None,
-    push_timeout: PushTimeoutOpt = 600,
+    endpoint: o.EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
+    uds: o.UdsListOpt = None,
+    inference_parallel_size: o.InferenceParallelSizeOpt = 8,
+    engine: o.EngineOpt = ServerKind.sglang,
+    api_key: o.ApiKeyOpt = None,
+    pause: o.PauseOpt = PauseMode.none,
+    control_socket: o.ControlSocketOpt = None,
+    split: o.SplitOpt = SplitMode.auto,
+    register_mode: o.RegisterModeOpt = o.RegisterModeChoice.direct,
+    read_threads: o.ReadThreadsOpt = None,
+    push_timeout: o.PushTimeoutOpt = 600,
     server_wait: Annotated[
         float,
         typer.Option(
             "--server-wait",
             metavar="SECONDS",
-            callback=at_least(0),
-            rich_help_panel=WAITING,
+            callback=o.at_least(0),
+            rich_help_panel=o.WAITING,
             help="How long a push waits for a server that does not answer (down, restarting) "
             "before it fails with exit 1; the job goes on. The first push waits "
             "--server-start-wait instead.",
@@ -93,8 +49,8 @@ def serve_command(
         typer.Option(
             "--server-start-wait",
             metavar="SECONDS",
-            callback=at_least(0),
-            rich_help_panel=WAITING,
+            callback=o.at_least(0),
+            rich_help_panel=o.WAITING,
             help="How long the first push waits for a server that is starting (loading its "
             "model, capturing CUDA graphs) before it fails with exit 1; a wrong --endpoint "
             "shows here. At most --push-timeout.",
@@ -104,31 +60,31 @@ def serve_command(
         bool,
         typer.Option(
             "--no-restore",
-            metavar=FLAG,
-            rich_help_panel=TRANSFER,
+            metavar=o.FLAG,
+            rich_help_panel=o.TRANSFER,
             help="After a push that failed once the server had begun taking its weights, do "
             "not push the last whole checkpoint again (the server is left partly updated).",
         ),
     ] = False,
-    bucket_size_gb: BucketSizeOpt = None,
-    mem_fraction: MemFractionOpt = None,
+    bucket_size_gb: o.BucketSizeOpt = None,
+    mem_fraction: o.MemFractionOpt = None,
     drop_page_cache: Annotated[
         bool,
         typer.Option(
             "--drop-page-cache",
-            metavar=FLAG,
+            metavar=o.FLAG,
             rich_help_panel="Checkpoint",
             help="Drop each pushed checkpoint's pages from the page cache once read into "
             "pinned memory (else the node holds it twice). Needs --register-mode direct.",
         ),
     ] = False,
-    metrics_port: MetricsPortOpt = None,
-    metrics_host: MetricsHostOpt = "127.0.0.1",
-    log_format: LogFormatOpt = LogFormatChoice.text,
-    verbose: VerboseOpt = False,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    metrics_port: o.MetricsPortOpt = None,
+    metrics_host: o.MetricsHostOpt = "127.0.0.1",
+    log_format: o.LogFormatOpt = o.LogFormatChoice.text,
+    verbose: o.VerboseOpt = False,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Keep a parameter server up on every rank and push checkpoints on command.
 
@@ -162,7 +118,7 @@ def serve_command(
         pause=pause,
     )
     out = Output(json_mode=json_output, quiet=quiet)
-    use_log_format(out, log_format)
+    o.use_log_format(out, log_format)
     opts = ServeOptions(
         request=request,
         control_socket=control_socket,
@@ -182,7 +138,7 @@ AllowLayoutChangeOpt = Annotated[
     bool,
     typer.Option(
         "--allow-layout-change",
-        metavar=FLAG,
+        metavar=o.FLAG,
         rich_help_panel="Checkpoint",
         help="Take it even if its tensor names, dtypes or shapes differ from those the job "
         "served last (refused with exit 3 otherwise, before anything is sent).",
@@ -191,23 +147,23 @@ AllowLayoutChangeOpt = Annotated[
 
 
 def push_command(
-    checkpoint_path: CheckpointPathOpt,
-    weight_version: WeightVersionOpt = None,
-    checkpoint_name: PushNameOpt = None,
-    consume_shm_files: ConsumeShmOpt = False,
-    verify: VerifyOpt = False,
+    checkpoint_path: o.CheckpointPathOpt,
+    weight_version: o.WeightVersionOpt = None,
+    checkpoint_name: o.PushNameOpt = None,
+    consume_shm_files: o.ConsumeShmOpt = False,
+    verify: o.VerifyOpt = False,
     allow_layout_change: AllowLayoutChangeOpt = False,
-    pause: PushPauseOpt = None,
-    control_socket: JobSocketOpt = None,
-    endpoint: FindEndpointOpt = None,
-    uds: FindUdsOpt = None,
-    wait: WaitOpt = 0,
-    timeout: ClientTimeoutOpt = 900,
-    trace: TraceOpt = None,
-    log_format: LogFormatOpt = LogFormatChoice.text,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    pause: o.PushPauseOpt = None,
+    control_socket: o.JobSocketOpt = None,
+    endpoint: o.FindEndpointOpt = None,
+    uds: o.FindUdsOpt = None,
+    wait: o.WaitOpt = 0,
+    timeout: o.ClientTimeoutOpt = 900,
+    trace: o.TraceOpt = None,
+    log_format: o.LogFormatOpt = o.LogFormatChoice.text,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Push a checkpoint through a running `ckptctl serve` job on this node.
 
@@ -230,23 +186,23 @@ def push_command(
             pause=pause,
         ),
         _client_output(json_output, quiet, log_format),
-        JobAddress(control_socket, endpoint, uds, wait),
+        _which_job_kwargs(control_socket, endpoint, uds, wait),
         timeout,
     )
 
 
 def stage_command(
-    checkpoint_path: CheckpointPathOpt,
+    checkpoint_path: o.CheckpointPathOpt,
     allow_layout_change: AllowLayoutChangeOpt = False,
-    control_socket: JobSocketOpt = None,
-    endpoint: FindEndpointOpt = None,
-    uds: FindUdsOpt = None,
-    wait: WaitOpt = 0,
-    timeout: ClientTimeoutOpt = 900,
-    log_format: LogFormatOpt = LogFormatChoice.text,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    control_socket: o.JobSocketOpt = None,
+    endpoint: o.FindEndpointOpt = None,
+    uds: o.FindUdsOpt = None,
+    wait: o.WaitOpt = 0,
+    timeout: o.ClientTimeoutOpt = 900,
+    log_format: o.LogFormatOpt = o.LogFormatChoice.text,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Read a checkpoint ahead, for the next push of it to send without reading it.
 
@@ -261,21 +217,21 @@ def stage_command(
     run_command(
         functools.partial(client.stage, checkpoint_path, allow_layout_change=allow_layout_change),
         _client_output(json_output, quiet, log_format),
-        JobAddress(control_socket, endpoint, uds, wait),
+        _which_job_kwargs(control_socket, endpoint, uds, wait),
         timeout,
     )
 
 
 def rollback_command(
-    control_socket: JobSocketOpt = None,
-    endpoint: FindEndpointOpt = None,
-    uds: FindUdsOpt = None,
-    wait: WaitOpt = 0,
-    timeout: ClientTimeoutOpt = 900,
-    log_format: LogFormatOpt = LogFormatChoice.text,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    control_socket: o.JobSocketOpt = None,
+    endpoint: o.FindEndpointOpt = None,
+    uds: o.FindUdsOpt = None,
+    wait: o.WaitOpt = 0,
+    timeout: o.ClientTimeoutOpt = 900,
+    log_format: o.LogFormatOpt = o.LogFormatChoice.text,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Push the whole checkpoint before the last one again, with its weight version.
 
@@ -287,30 +243,35 @@ def rollback_command(
     run_command(
         client.rollback,
         _client_output(json_output, quiet, log_format),
-        JobAddress(control_socket, endpoint, uds, wait),
+        _which_job_kwargs(control_socket, endpoint, uds, wait),
         timeout,
     )
 
 
-def _client_output(json_output: bool, quiet: bool, log_format: LogFormatChoice) -> Output:
+def _client_output(json_output: bool, quiet: bool, log_format: o.LogFormatChoice) -> Output:
     """A client command's output; --log-format json: its progress and error lines on stderr
     as JSON objects, as the job's own are."""
     out = Output(json_mode=json_output, quiet=quiet)
-    use_log_format(out, log_format)
+    o.use_log_format(out, log_format)
     return out
 
 
-@dataclass(frozen=True)
-class JobAddress:
-    """How a client command's flags name its serve job (ckptctl.client.find_job's arguments)."""
+def _which_job_kwargs(
+    control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
+) -> dict[str, Any]:
+    """The client's arguments that find the job, its messages naming the CLI's flags."""
+    from ckptctl.serve.control_client import FLAGS
 
-    control_socket: str | None
-    endpoint: list[str] | None
-    uds: list[str] | None
-    wait: float
+    return {
+        "control_socket": control_socket,
+        "endpoint": endpoint or (),
+        "uds": uds or (),
+        "wait": wait,
+        "names": FLAGS,
+    }
 
 
-def run_command(send: Any, out: Output, job: JobAddress, timeout: float) -> None:
+def run_command(send: Any, out: Output, job: dict[str, Any], timeout: float) -> None:
     """Find the job, send it a push, stage or rollback (`send`: ckptctl.client's, its own
     arguments bound) with a push id of its own, show its progress while it runs, cancel it on
     Ctrl-C, then report its answer (stdout: the result)."""
@@ -321,9 +282,7 @@ def run_command(send: Any, out: Output, job: JobAddress, timeout: float) -> None
     from ckptctl.serve.control_client import FLAGS
 
     started = time.monotonic()
-    path = client.find_job(
-        job.control_socket, job.endpoint or (), job.uds or (), min(job.wait, timeout), names=FLAGS
-    )
+    path = client.find_job(**job | {"wait": min(job["wait"], timeout)})
     push_id = secrets.token_hex(8)
     progress = PushProgress(out)
     try:
@@ -463,25 +422,25 @@ def describe_running(running: dict[str, Any]) -> str:
 
 
 def status_command(
-    control_socket: JobSocketOpt = None,
-    endpoint: FindEndpointOpt = None,
-    uds: FindUdsOpt = None,
-    wait: WaitOpt = 0,
-    timeout: ClientTimeoutOpt = 30,
+    control_socket: o.JobSocketOpt = None,
+    endpoint: o.FindEndpointOpt = None,
+    uds: o.FindUdsOpt = None,
+    wait: o.WaitOpt = 0,
+    timeout: o.ClientTimeoutOpt = 30,
     history: Annotated[
         bool,
         typer.Option(
             "--history",
-            metavar=FLAG,
-            rich_help_panel=OUTPUT,
+            metavar=o.FLAG,
+            rich_help_panel=o.OUTPUT,
             help="List the job's pushes instead, oldest first: number, checkpoint, weight "
             "version, outcome, seconds, bytes, when, and the server's weights after it. The job "
             f"keeps its last {PUSH_LOG_SIZE} pushes; with --json, `pushes` beside the status.",
         ),
     ] = False,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Show what a running `ckptctl serve` job on this node holds and did last (--history:
     every push it ran)."""
@@ -505,30 +464,15 @@ def status_command(
             out.show(line)  # (each a line of its own: a path's line break is shown as \n)
 
 
-def _which_job_kwargs(
-    control_socket: str | None, endpoint: list[str] | None, uds: list[str] | None, wait: float
-) -> dict[str, Any]:
-    """The client's arguments that find the job, its messages naming the CLI's flags."""
-    from ckptctl.serve.control_client import FLAGS
-
-    return {
-        "control_socket": control_socket,
-        "endpoint": endpoint or (),
-        "uds": uds or (),
-        "wait": wait,
-        "names": FLAGS,
-    }
-
-
 def stop_command(
-    control_socket: JobSocketOpt = None,
-    endpoint: FindEndpointOpt = None,
-    uds: FindUdsOpt = None,
-    wait: WaitOpt = 0,
-    timeout: ClientTimeoutOpt = 30,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    control_socket: o.JobSocketOpt = None,
+    endpoint: o.FindEndpointOpt = None,
+    uds: o.FindUdsOpt = None,
+    wait: o.WaitOpt = 0,
+    timeout: o.ClientTimeoutOpt = 30,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Stop a running `ckptctl serve` job on this node, and wait until every rank has ended
     (within seconds; exit 4 if it still answers at --timeout).

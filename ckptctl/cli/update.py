@@ -11,47 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckptctl.cli._choices import RegisterModeChoice
-from ckptctl.cli._observe_options import (
-    LogFormatChoice,
-    LogFormatOpt,
-    TraceOpt,
-    use_log_format,
-    want_trace,
-)
-from ckptctl.cli._options import (
-    CHECKPOINT,
-    DRY_RUN,
-    FLAG,
-    TRANSFER,
-    AllowPickleOpt,
-    ApiKeyOpt,
-    BucketSizeOpt,
-    CheckpointNameOpt,
-    CheckpointPathOrJoinOpt,
-    ConsumeShmOpt,
-    EndpointsOpt,
-    EngineOpt,
-    HelpOpt,
-    InferenceParallelSizeOpt,
-    JoinFromMetasOpt,
-    JsonOpt,
-    MemFractionOpt,
-    PauseOpt,
-    QuietOpt,
-    ReadThreadsOpt,
-    RegisterModeOpt,
-    ResetServedWeightsOpt,
-    SleepTimeOpt,
-    SplitOpt,
-    TimeoutOpt,
-    UdsListOpt,
-    VerboseOpt,
-    VerifyOpt,
-    VerifyRoundTripOpt,
-    WeightVersionOpt,
-    at_least,
-)
+from ckptctl.cli import _options as o
 from ckptctl.cli._output import Output
 from ckptctl.defaults import DEFAULT_CHECKPOINT_NAME, DEFAULT_ENDPOINT
 from ckptctl.errors import UsageError
@@ -78,53 +38,53 @@ def resolve_world_size(launch: LaunchInfo, flag: int | None, default: int = 1) -
 
 
 def update_command(
-    checkpoint_path: CheckpointPathOrJoinOpt = None,
-    checkpoint_name: CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
-    split: SplitOpt = SplitMode.auto,
-    register_mode: RegisterModeOpt = RegisterModeChoice.direct,
-    read_threads: ReadThreadsOpt = None,
-    consume_shm_files: ConsumeShmOpt = False,
+    checkpoint_path: o.CheckpointPathOrJoinOpt = None,
+    checkpoint_name: o.CheckpointNameOpt = DEFAULT_CHECKPOINT_NAME,
+    split: o.SplitOpt = SplitMode.auto,
+    register_mode: o.RegisterModeOpt = o.RegisterModeChoice.direct,
+    read_threads: o.ReadThreadsOpt = None,
+    consume_shm_files: o.ConsumeShmOpt = False,
     save_metas_file: Annotated[
         Path | None,
         typer.Option(
             "--save-metas-file",
             metavar="FILE",
-            rich_help_panel=CHECKPOINT,
+            rich_help_panel=o.CHECKPOINT,
             help="Also write the gathered metas to this file.",
         ),
     ] = None,
-    load_metas_file: JoinFromMetasOpt = None,
-    allow_pickle: AllowPickleOpt = False,
-    endpoint: EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
-    uds: UdsListOpt = None,
-    engine: EngineOpt = ServerKind.sglang,
-    inference_parallel_size: InferenceParallelSizeOpt = 8,
-    api_key: ApiKeyOpt = None,
-    weight_version: WeightVersionOpt = None,
-    pause: PauseOpt = PauseMode.none,
+    load_metas_file: o.JoinFromMetasOpt = None,
+    allow_pickle: o.AllowPickleOpt = False,
+    endpoint: o.EndpointsOpt = [DEFAULT_ENDPOINT],  # noqa: B006 - Typer copies it; shown in --help
+    uds: o.UdsListOpt = None,
+    engine: o.EngineOpt = ServerKind.sglang,
+    inference_parallel_size: o.InferenceParallelSizeOpt = 8,
+    api_key: o.ApiKeyOpt = None,
+    weight_version: o.WeightVersionOpt = None,
+    pause: o.PauseOpt = PauseMode.none,
     update_method: Annotated[
         UpdateMethod,
         typer.Option(
             "--update-method",
             metavar="METHOD",
-            rich_help_panel=TRANSFER,
+            rich_help_panel=o.TRANSFER,
             help="How weights reach the server's GPUs. broadcast: over NCCL from every "
             "rank; p2p: over RDMA (needs mooncake); all: both, one after the other.",
         ),
     ] = UpdateMethod.broadcast,
-    bucket_size_gb: BucketSizeOpt = None,
-    mem_fraction: MemFractionOpt = None,
-    timeout: TimeoutOpt = 600,
-    sleep_time: SleepTimeOpt = 0,
-    verify: VerifyOpt = False,
-    verify_round_trip: VerifyRoundTripOpt = False,
-    reset_served_weights: ResetServedWeightsOpt = False,
+    bucket_size_gb: o.BucketSizeOpt = None,
+    mem_fraction: o.MemFractionOpt = None,
+    timeout: o.TimeoutOpt = 600,
+    sleep_time: o.SleepTimeOpt = 0,
+    verify: o.VerifyOpt = False,
+    verify_round_trip: o.VerifyRoundTripOpt = False,
+    reset_served_weights: o.ResetServedWeightsOpt = False,
     dry_run: Annotated[
         bool,
         typer.Option(
             "--dry-run",
-            metavar=FLAG,
-            rich_help_panel=DRY_RUN,
+            metavar=o.FLAG,
+            rich_help_panel=o.DRY_RUN,
             help="Only check the flags, plan the split and the server groups, and print them.",
         ),
     ] = False,
@@ -133,9 +93,9 @@ def update_command(
         typer.Option(
             "--world-size",
             metavar="N",
-            callback=at_least(1, 65536),
+            callback=o.at_least(1, 65536),
             show_default=False,
-            rich_help_panel=DRY_RUN,
+            rich_help_panel=o.DRY_RUN,
             help="Ranks to plan for (under torchrun: its WORLD_SIZE). Default: one server "
             "group, --inference-parallel-size ranks.",
         ),
@@ -145,19 +105,19 @@ def update_command(
         typer.Option(
             "--nproc-per-node",
             metavar="N",
-            callback=at_least(1),
+            callback=o.at_least(1),
             show_default=False,
-            rich_help_panel=DRY_RUN,
+            rich_help_panel=o.DRY_RUN,
             help="Ranks per node, as torchrun's flag (under torchrun: its LOCAL_WORLD_SIZE). "
             f"Default: {DRY_RUN_NODE_SIZE}, or the world size if smaller.",
         ),
     ] = None,
-    trace: TraceOpt = None,
-    log_format: LogFormatOpt = LogFormatChoice.text,
-    verbose: VerboseOpt = False,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    trace: o.TraceOpt = None,
+    log_format: o.LogFormatOpt = o.LogFormatChoice.text,
+    verbose: o.VerboseOpt = False,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Split a safetensors checkpoint across ranks and push it into the running server.
 
@@ -166,7 +126,7 @@ def update_command(
     """
     launch = launch_info()
     out = Output(json_mode=json_output, quiet=quiet, launch=launch)
-    use_log_format(out, log_format)
+    o.use_log_format(out, log_format)
     # A dry run on a laptop plans one server group by default: a world of 1 would refuse the
     # default --inference-parallel-size 8 before the checkpoint is even looked at.
     world = resolve_world_size(launch, world_size, inference_parallel_size if dry_run else 1)
@@ -205,7 +165,7 @@ def update_command(
     if load_metas_file is not None:  # the seed script's join mode: `update.py --load-metas-file F`
         from ckptctl.cli.join import run_join_job
 
-        want_trace(out, trace)
+        o.want_trace(out, trace)
         return run_join_job(out, load_metas_file, request, allow_pickle, verbose)
     if dry_run:
         if trace is not None:
@@ -227,7 +187,7 @@ def update_command(
     from ckptctl.cli._job_view import run_job_with_display
     from ckptctl.transfer.update import UpdateOptions, run_update
 
-    want_trace(out, trace)
+    o.want_trace(out, trace)
 
     opts = UpdateOptions(
         request=request,

@@ -7,20 +7,10 @@ from typing import Annotated
 
 import typer
 
+from ckptctl.cli import _options as o
 from ckptctl.cli._errors import raise_if_interrupted
-from ckptctl.cli._options import (
-    DEFAULT_ENDPOINT,
-    WAITING,
-    ApiKeyOpt,
-    EndpointOpt,
-    EngineOpt,
-    HelpOpt,
-    JsonOpt,
-    QuietOpt,
-    UdsOpt,
-    at_least,
-)
 from ckptctl.cli._output import Output
+from ckptctl.defaults import DEFAULT_ENDPOINT
 from ckptctl.errors import DeadlineExceeded, redact
 from ckptctl.settings import ReadyCondition, ServerKind
 
@@ -30,16 +20,16 @@ HEARTBEAT_S = 10.0
 
 
 def wait_ready_command(
-    endpoint: EndpointOpt = DEFAULT_ENDPOINT,
-    uds: UdsOpt = None,
-    engine: EngineOpt = ServerKind.sglang,
-    api_key: ApiKeyOpt = None,
+    endpoint: o.EndpointOpt = DEFAULT_ENDPOINT,
+    uds: o.UdsOpt = None,
+    engine: o.EngineOpt = ServerKind.sglang,
+    api_key: o.ApiKeyOpt = None,
     for_: Annotated[
         ReadyCondition,
         typer.Option(
             "--for",
             metavar="STATE",
-            rich_help_panel=WAITING,
+            rich_help_panel=o.WAITING,
             help="listening: the server answers HTTP at all (SGLang's 503 while it waits for "
             "its first weights counts); healthy: its health endpoint answers 200.",
         ),
@@ -49,7 +39,7 @@ def wait_ready_command(
         typer.Option(
             "--weight-version",
             metavar="VERSION",
-            rich_help_panel=WAITING,
+            rich_help_panel=o.WAITING,
             help="Also wait until the server reports this weight version (SGLang only).",
         ),
     ] = None,
@@ -58,8 +48,8 @@ def wait_ready_command(
         typer.Option(
             "--timeout",
             metavar="SECONDS",
-            callback=at_least(0),
-            rich_help_panel=WAITING,
+            callback=o.at_least(0),
+            rich_help_panel=o.WAITING,
             help="Give up after this many seconds (exit 4).",
         ),
     ] = 300,
@@ -68,8 +58,8 @@ def wait_ready_command(
         typer.Option(
             "--interval",
             metavar="SECONDS",
-            callback=at_least(0.01),
-            rich_help_panel=WAITING,
+            callback=o.at_least(0.01),
+            rich_help_panel=o.WAITING,
             help="Seconds between attempts.",
         ),
     ] = 0.5,
@@ -78,14 +68,14 @@ def wait_ready_command(
         typer.Option(
             "--attempt-timeout",
             metavar="SECONDS",
-            callback=at_least(0.05),
-            rich_help_panel=WAITING,
+            callback=o.at_least(0.05),
+            rich_help_panel=o.WAITING,
             help="Seconds one attempt may wait for an answer.",
         ),
     ] = 5,
-    json_output: JsonOpt = False,
-    quiet: QuietOpt = False,
-    show_help: HelpOpt = False,
+    json_output: o.JsonOpt = False,
+    quiet: o.QuietOpt = False,
+    show_help: o.HelpOpt = False,
 ) -> None:
     """Wait until the inference server answers (or is healthy, or serves a weight version).
 

@@ -56,14 +56,21 @@ class Job:
         if self.coordinator is not None:
             self.coordinator.barrier(name, timeout_s=self.watchdog.remaining() + PAST_DEADLINE_S)
 
-    def gather_figures(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every rank's figures on rank 0 (through the store); just ours elsewhere."""
+    def gather(
+        self, key: str, mine: dict[str, Any], *, collect: bool | None = None
+    ) -> list[dict[str, Any]] | None:
+        """Every rank's `mine` (in rank order, through the store) where `collect` (default: on
+        rank 0); None elsewhere. Every rank must call it."""
         if self.coordinator is None:
             return [mine]
-        self.coordinator.publish("figures", mine)
-        if self.launch.rank != 0:
-            return [mine]
-        return self.coordinator.collect("figures", timeout_s=max(self.watchdog.remaining(), 1.0))
+        self.coordinator.publish(key, mine)
+        if not (self.launch.rank == 0 if collect is None else collect):
+            return None
+        return self.coordinator.collect(key, timeout_s=max(self.watchdog.remaining(), 1.0))
+
+    def gather_figures(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's figures on rank 0 (through the store); just ours elsewhere."""
+        return self.gather("figures", mine) or [mine]
 
 
 def peak_rss_bytes() -> int:

@@ -76,12 +76,12 @@ class MetasFile:
 
     path: Path
     metas: dict[int, MemoryBufferMetaList]
-    checkpoint_name: str | None
-    world_size: int | None
-    created_at: datetime | None
-    ckptctl_version: str | None
-    checkpoint_engine_version: str | None
-    format_version: int | None
+    checkpoint_name: str | None = None
+    world_size: int | None = None
+    created_at: datetime | None = None
+    ckptctl_version: str | None = None
+    checkpoint_engine_version: str | None = None
+    format_version: int | None = None
     legacy_pickle: bool = False
 
 
@@ -105,6 +105,8 @@ def write_metas_file(
     from checkpoint_engine.data_types import MemoryBufferMetaList
     from pydantic import TypeAdapter
 
+    from ckptctl.ce.internals import installed_version
+
     if not isinstance(checkpoint_name, str) or not checkpoint_name:
         raise ValueError("checkpoint_name must be a non-empty string")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -116,7 +118,7 @@ def write_metas_file(
         "world_size": world_size,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "ckptctl_version": __version__,
-        "checkpoint_engine_version": _checkpoint_engine_version(),
+        "checkpoint_engine_version": installed_version() or "unknown",
         "metas": TypeAdapter(dict[int, MemoryBufferMetaList]).dump_python(metas, mode="json"),
     }
     doc["checksum"] = _checksum(doc)
@@ -221,15 +223,6 @@ def _umask() -> int:
     return mask
 
 
-def _checkpoint_engine_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("checkpoint-engine")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def _checksum(doc: dict[str, Any]) -> str:
     body = {k: v for k, v in doc.items() if k != "checksum"}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -263,12 +256,6 @@ def read_metas_file(path: str | os.PathLike[str], *, allow_pickle: bool = False)
         return MetasFile(
             path=path,
             metas=validate_metas(plain, source=str(path)),
-            checkpoint_name=None,
-            world_size=None,
-            created_at=None,
-            ckptctl_version=None,
-            checkpoint_engine_version=None,
-            format_version=None,
             legacy_pickle=True,
         )
     if kind != "json":

@@ -9,37 +9,21 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ckptctl.checkpoint.headers import SAFETENSORS_DTYPES, TensorInfo
 
 if TYPE_CHECKING:
     from checkpoint_engine.data_types import MemoryBufferMetaList
 
     from ckptctl.metas.fileformat import MetasFile
 
-# safetensors dtype name → (torch dtype string, bytes per element).
-SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
-    "BOOL": ("torch.bool", 1),
-    "U8": ("torch.uint8", 1),
-    "I8": ("torch.int8", 1),
-    "U16": ("torch.uint16", 2),
-    "I16": ("torch.int16", 2),
-    "U32": ("torch.uint32", 4),
-    "I32": ("torch.int32", 4),
-    "U64": ("torch.uint64", 8),
-    "I64": ("torch.int64", 8),
-    "F16": ("torch.float16", 2),
-    "BF16": ("torch.bfloat16", 2),
-    "F32": ("torch.float32", 4),
-    "F64": ("torch.float64", 8),
-    "C64": ("torch.complex64", 8),
-    "F8_E4M3": ("torch.float8_e4m3fn", 1),
-    "F8_E5M2": ("torch.float8_e5m2", 1),
-    "F8_E4M3FNUZ": ("torch.float8_e4m3fnuz", 1),
-    "F8_E5M2FNUZ": ("torch.float8_e5m2fnuz", 1),
-    "F8_E8M0": ("torch.float8_e8m0fnu", 1),
+# A metas file's torch dtype string → its safetensors name (not F4's: its torch shape counts
+# bytes, so a metas file of F4 tensors differs from the checkpoint in dtype).
+_TORCH_TO_SAFETENSORS = {
+    f"torch.{attr}": name for name, (_, attr) in SAFETENSORS_DTYPES.items() if attr and name != "F4"
 }
-_TORCH_TO_SAFETENSORS = {torch_name: st for st, (torch_name, _) in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -198,12 +182,7 @@ class Difference:
     checkpoint: str | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "metas": self.metas,
-            "checkpoint": self.checkpoint,
-        }
+        return asdict(self)
 
     def describe(self) -> str:
         if self.kind == "missing_in_metas":
@@ -216,7 +195,7 @@ class Difference:
 
 
 def compare_with_checkpoint(
-    metas: dict[int, MemoryBufferMetaList], checkpoint: Iterable[CheckpointTensor]
+    metas: dict[int, MemoryBufferMetaList], checkpoint: Iterable[CheckpointTensor | TensorInfo]
 ) -> list[Difference]:
     """Names, dtypes, shapes and sizes that differ, in checkpoint order, then metas extras."""
     held: dict[str, list[TensorEntry]] = {}

@@ -1,19 +1,11 @@
 """`--trace FILE`: a job's stages on every rank as one Chrome trace-event file (Perfetto,
-chrome://tracing), one process per rank (pid = rank) and one track per thread:
-
-- stages: the job's stages as the Reporter timed them (split, start, register, wait_server,
-  group, gather_metas, update, verify...), one after another;
-- background: the share's read and pin, done in a thread that starts before its stage
-  ("register" then only waits for it);
-- buckets: each bucket of the transfer, from the moment its metas went to the server's
-  worker to the worker's reply that it loaded it (parameter_server.ReplyWatchingSocket);
-- host-to-device copies: each bucket's copy out of host memory, and how long it waited for a
-  read still filling it (a serve push whose read overlaps the transfer: transfer/overlap.py);
-- exchange with the server's worker: the rest of checkpoint-engine's exchange with it -
-  connecting and taking the IPC handle, releasing it, the post-hook - and the ParameterServer's
-  own release of its transfer buffers in between;
-- request to the server: the HTTP request that makes the server take the weights;
-- host buffers read: when each host buffer was full, from the read's start.
+chrome://tracing), one process per rank (pid = rank) and one track per thread (TRACKS): the
+stages as the Reporter timed them, the share's read and pin in its background thread, each
+bucket from its metas going to the server's worker to the worker's reply that it loaded it
+(ce/transfer_sockets.ReplyWatchingSocket), each bucket's host-to-device copy and its wait for a
+read still filling it (transfer/overlap.py), the rest of checkpoint-engine's exchange with the
+worker, the HTTP request that makes the server take the weights, and when each host buffer
+was full.
 
 There is no second timing system: a stage's events come from its StageFigures (its start and
 its seconds), the rest from `record` at the few places they happen, which keeps them only while
@@ -219,14 +211,10 @@ def finish(job: Any) -> None:
     if _requested is None:
         return
     mine = rank_events(job.launch.rank, job.reporter.figures.stages, take_spans())
-    if job.coordinator is None:
-        ranks = [mine]
-    else:
-        job.coordinator.publish("trace", {"events": mine})
-        if job.launch.rank != 0:
-            return
-        timeout = max(job.watchdog.remaining(), 1.0)
-        ranks = [d["events"] for d in job.coordinator.collect("trace", timeout_s=timeout)]
+    gathered = job.gather("trace", {"events": mine})
+    if gathered is None:
+        return
+    ranks = [d["events"] for d in gathered]
     if job.launch.rank == 0:
         try:  # (the job did its work: a trace it cannot write is worth a warning, no more)
             count = write(_requested, [e for events in ranks for e in events])

@@ -6,15 +6,10 @@ process group of its own: a `ProcessGroupGloo` met through the job's store (the 
 torchrun's and NCCL's own rendezvous meet), apart from the NCCL default group that
 checkpoint-engine uses. Afterwards everything goes over that group's TCP connections.
 
-Every rank calls the same methods in the same order:
-
-- `tick` (every ~0.1 s): an all-reduce of [the length of rank 0's next command, the length of
-  each rank's stop reason]. A command then follows as a broadcast from rank 0; a stop (a
-  signal to any rank, `ckptctl stop` on any node) as a broadcast from the first rank that
-  asked, and every rank ends together.
-- `gather`: each rank's result, to every rank (so that every node can answer `status`);
-- `Exchanges`: what the ranks of one push must agree on while it runs (their plans, whether a
-  stage is used, what --verify proves), a `gather` each, made by every rank in the same order.
+Every rank calls the same methods in the same order (each says how): `tick` (every ~0.1 s:
+rank 0's next command, or a stop from any rank, on which every rank ends together), `gather`
+(each rank's result, to every rank, so that every node can answer `status`) and `Exchanges`
+(what the ranks of one push must agree on while it runs).
 
 A command is a `ServeCommand`: parsed and bounded once, where a client's request enters
 (loop.py's handlers), and sent as its JSON, which every rank parses with the same parser.

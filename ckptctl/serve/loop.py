@@ -11,10 +11,8 @@ shows is JobStatus, with the push log that `status --history` lists (state.PushL
 
 A push runs the stages of `update` (push.py) in a store scope of its own (`push<seq>/`), so
 that one push's keys never answer the next one's waits. Its deadline is the job's
-`--push-timeout`: the stages see it as their watchdog's (PushClock), and a push that runs
-past it fails alone where it can; the job's own watchdog ends the job only HARD_GRACE_S later,
-for a push stuck where nothing else can end it. Any failure of a push fails that push on every
-rank, and the job goes on serving.
+`--push-timeout` (push.PushClock). Any failure of a push fails that push on every rank, and
+the job goes on serving.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from ckptctl.errors import (
 from ckptctl.job.runner import Job
 from ckptctl.observe import timeline
 from ckptctl.progress import StageFigures, StageLog
-from ckptctl.results import REFUSED, outcome
+from ckptctl.results import REFUSED, outcome, utc
 from ckptctl.serve.commands import (
     TICK_TIMEOUT_S,
     BadCommand,
@@ -65,10 +63,6 @@ TICK_S = 0.1
 MAX_QUEUED = 16
 # After a stop, a push under way must end within this many seconds, or the job ends anyway.
 STOP_GRACE_S = 8.0
-
-
-def utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 @dataclass
@@ -134,7 +128,7 @@ def merge_results(command: ServeCommand, ranks: list[dict[str, Any]]) -> dict[st
         "server_weights": weights,
         "failed_server": None if first is None else first.get("failed_server"),
         "started_at": command.started_at,
-        "finished_at": utc_now(),
+        "finished_at": utc(),
         "wall_s": wall_s,
         "seconds": wall_s,  # (the name before wall_s; programs read it)
         "total_bytes": max(sizes) if sizes else None,
@@ -422,7 +416,7 @@ class ServeLoop:
             waiting.finish(result)
             # (logged on rank 0 alone: the other ranks never saw this push)
             logged = dataclasses.asdict(waiting.command)
-            self.status.pushes.add({**logged, **result, "finished_at": utc_now()})
+            self.status.pushes.add({**logged, **result, "finished_at": utc()})
             return 200, {"ok": True, "cancel": "cancelled", "seq": seq}
         if running is not None and running[0].push_id == push_id:
             running[1].publish_abort(ExitCode.INTERRUPTED, "cancelled by its client", request=True)
@@ -530,7 +524,7 @@ class ServeLoop:
         """Rank 0: the JSON of the next command, stamped now, that every rank will read; b""
         (and the command answered with why) in the case its own parser could not read it."""
         try:
-            pending.command = dataclasses.replace(pending.command, started_at=utc_now())
+            pending.command = dataclasses.replace(pending.command, started_at=utc())
             data = pending.command.to_json()
             ServeCommand.from_json(data)  # what the other ranks will do with it
             return data
@@ -546,7 +540,7 @@ class ServeLoop:
         results alike (merge_results on): logged as failed, and the job serves on."""
         what = {k: getattr(command, k) for k in ("action", "seq", "restores", "push_id")}
         merged = {**failure_result(exc), **what, "checkpoint_path": command.checkpoint_path}
-        merged.update(finished_at=utc_now(), ranks=[])
+        merged.update(finished_at=utc(), ranks=[])
         self.status.record(merged)
         return merged
 

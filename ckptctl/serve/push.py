@@ -1,4 +1,4 @@
-"""One push of a serve job: the transfer of `update` (transfer.py), on every rank.
+"""One push of a serve job: the transfer of `update` (transfer/sequence.py), on every rank.
 
 How a push fails without ending the job:
 - before the transfer (a bad checkpoint, a server that is not up): every rank gives up on the
@@ -8,9 +8,6 @@ How a push fails without ending the job:
 - after they connected: checkpoint-engine's own error path ends the transfer on every rank and
   the push fails with `"server_weights": "partial"` (the next whole push mends them); where
   that path does not end it within STUCK_TRANSFER_GRACE_S, the job ends as `update` would.
-
-The push's deadline (PushClock) is what its stages see as the watchdog's; the job's own
-watchdog ends the job only HARD_GRACE_S after it, for a stage nothing else can end.
 
 checkpoint-engine's store barrier reuses one key (its issue #106): from the second update on
 it no longer waits for the other ranks, so a push ends with a barrier of ours under the push's
@@ -124,7 +121,7 @@ class PushFailure:
         if self.session.rescue(message):
             return
         # The workers connected: a cancel sends checkpoint-engine down its own error path on
-        # every rank (parameter_server.ReplyWatchingSocket.cancel). Where even that does not
+        # every rank (ce/transfer_sockets.ReplyWatchingSocket.cancel). Where even that does not
         # end the transfer (a peer rank stuck in NCCL), only ending the process frees it.
         self.session.cancel(message)
         threading.Thread(

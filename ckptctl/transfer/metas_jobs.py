@@ -1,10 +1,10 @@
 """`save-metas` (hold a registered checkpoint for joiners) and `join` (pull it over p2p).
 
-save-metas: the transfer's first half (transfer.py, no server): split → register → gather →
+save-metas: the transfer's first half (sequence.py, no server): split → register → gather →
 write the metas file (rank 0); then hold until `--sleep-time` runs out or SIGTERM/SIGINT. The file is joinable only where
 checkpoint-engine's p2p store (mooncake + RDMA) runs; otherwise it says so.
 
-join: every refusal before the server is touched; then the transfer (transfer.py) with the
+join: every refusal before the server is touched; then the transfer (sequence.py) with the
 holders' metas in place of a registration here.
 """
 

@@ -1,25 +1,15 @@
 """The job's half of `--pause` (the HTTP half is server_pause.py): every server a job feeds is
 paused before the transfer and resumed after it, as one transaction, and never left paused.
 
-- check (each group's leader, once its server answers): the server's version honours the mode,
-  or the push is refused (exit 1) before any weight is sent;
-- pause (stage "pause"): each leader pauses its own server, then every rank meets (a barrier):
-  no server takes weights while another is still being paused (SGLang #25319: a pause that
-  comes while an update waits for the writer lock deadlocks it);
-- the transfer, the weight version read back, --verify;
-- resume (stage "resume"): `update` and `join` once every rank is done (a barrier); a serve job
-  once the push AND the restore after a failed one are over on every rank
-  (serve/push.py, `resume_after_command`),
-  so that no server serves again before every server is whole, and every rank's outcome is
-  shared, so that the push names a server that did not resume;
-- every other way out - a failure, a deadline, a peer's abort, a signal, a stop, the job's end -
-  runs the watchdog's exit hook (`resume_on_exit`): it resumes what this rank paused and, while
-  a pause is in force, every server of this rank's node (they are known from the flags), as a
-  backup for a leader that was killed outright.
+The steps are ServerPauses' methods, in order: `check` (the server's version honours the mode,
+else the push is refused before any weight is sent), `pause`, then the transfer, `finish` or
+(serve) `resume_own` once every rank is done, and `resume_on_exit` on every other way out. The
+barriers matter: no server takes weights while another is still being paused (SGLang #25319:
+a pause that comes while an update waits for the writer lock deadlocks it), and none serves
+again before every server is whole.
 
-With --pause none nothing is paused, and the wait for the generations in flight (SGLang's update
-takes its writer lock first) is the "drain" stage (DrainWatch): from the update's request until
-the server's worker connects to take the weights.
+With --pause none nothing is paused; the wait for the generations in flight is the "drain"
+stage (DrainWatch).
 
 Limits (docs/pause-contract.md): a server whose node has no rank left (the node died, or a job of
 one rank got SIGKILL) stays paused until someone resumes it (`server_pause.left_paused` says
@@ -38,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ckptctl import server_pause
 from ckptctl.errors import OperationFailed, print_error
 from ckptctl.job.coordination import PAST_DEADLINE_S
+from ckptctl.results import utc
 from ckptctl.settings import PAUSE_MODES, PauseMode, ServerKind, Setting
 
 if TYPE_CHECKING:
@@ -52,10 +43,6 @@ if TYPE_CHECKING:
 RESUME_BUDGET_S = 30.0
 EXIT_RESUME_BUDGET_S = 10.0
 DRAIN_POLL_S = 0.005
-
-
-def utc(when: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
 
 
 def node_servers(servers: ServerTargets, launch: LaunchInfo) -> list[ServerAddress]:

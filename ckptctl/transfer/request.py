@@ -193,7 +193,7 @@ def check_update_flags(
 
 def p2p_for_update(method: UpdateMethod, *, save_metas: bool, missing: str | None) -> P2P:
     """Whether an update's parameter server starts the p2p store (`missing`: why it cannot
-    work here, parameter_server.p2p_missing). Broadcast never touches it, unless the metas
+    work here, ce/p2p.p2p_missing). Broadcast never touches it, unless the metas
     being saved should be joinable."""
     if method.uses_p2p:
         if missing:

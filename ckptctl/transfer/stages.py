@@ -1,8 +1,6 @@
-"""The stages the GPU commands are built from, each timed and shown by the job's reporter.
-
-plan_share → start_parameter_server → (registration.py) → wait_for_server → build_group
-→ gather_metas → push → verify_weight_version, in the order transfer.py runs them;
-hold_for_joiners keeps the weights up for joiners (save-metas, --sleep-time).
+"""The stages the GPU commands are built from, each timed and shown by the job's reporter;
+transfer/sequence.py runs them in order. hold_for_joiners keeps the weights up for joiners
+(save-metas, --sleep-time).
 """
 
 from __future__ import annotations
@@ -122,7 +120,7 @@ def plan_share(
 ) -> tuple[Checkpoint, Plan, RankPlan]:
     """(checkpoint, plan, this rank's share): every rank computes the same plan on its own
     (already, when `early` started it before the job did). check: compare every rank's plan
-    now (check_same_plan); False when the caller does, later (a serve push: transfer.py)."""
+    now (check_same_plan); False when the caller does, later (a serve push: sequence.py)."""
     with job.reporter.stage("split", "planning the split") as st:
         if early is not None:
             checkpoint, plan = early.wait(job.watchdog.remaining())
@@ -192,12 +190,8 @@ def check_same_plan(
         first = docs[0]  # (every rank compares with rank 0, and refuses alike)
     elif job.coordinator is None:
         return [mine]
-    else:
-        job.coordinator.publish("plan", mine)
-        if job.launch.rank != 0:
-            return []
-        docs = job.coordinator.collect("plan", timeout_s=max(job.watchdog.remaining(), 1.0))
-        first = mine
+    else:  # (rank 0 compares; the others publish theirs and have none to compare)
+        docs, first = job.gather("plan", mine) or [], mine
     for rank, doc in enumerate(docs):
         if doc.get("fingerprint") != first["fingerprint"]:
             raise InvalidInput(

@@ -1,12 +1,6 @@
 """`--verify` and `--verify-round-trip`: the stages around the push that prove what the servers
-hold (the HTTP contract and the hashing are in ckptctl/weights_checker.py).
-
-    check_offers      before the push: what each server's weights checker offers, so how to
-                      verify; exit 3 when it cannot be done, before anything is pushed
-    start_hashing     compare_checksum: each rank hashes its registered share in the background
-    round_trip_reset  --verify-round-trip: every server snapshots, then resets its weights
-      ... push ...
-    check_weights     after the push: compare_checksum / per-engine agreement / compare
+hold (the HTTP contract and the hashing are in ckptctl/weights_checker.py): check_offers,
+start_hashing and round_trip_reset before the push, check_weights after it.
 
 Only group leaders talk to servers; the rest travels between the ranks (`_share`): over a
 serve job's own group, else through the job's store.
@@ -34,7 +28,7 @@ class Verification:
 
     how: Verify
     servers: int
-    hasher: Any = None  # verify.BackgroundHasher, for Verify.checksum
+    hasher: Any = None  # weights_checker.BackgroundHasher, for Verify.checksum
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -50,12 +44,7 @@ def _share(job: Job, key: str, doc: dict[str, Any], *, wanted: bool = True) -> l
     push's go over its group: what they prove is what the push reports."""
     if job.exchange is not None:
         return job.exchange(key, doc)
-    if job.coordinator is None:
-        return [doc]
-    job.coordinator.publish(key, doc)
-    if not wanted:
-        return []
-    return job.coordinator.collect(key, timeout_s=max(job.watchdog.remaining(), 1.0))
+    return job.gather(key, doc, collect=wanted) or []
 
 
 def check_offers(
