@@ -30,8 +30,11 @@ if launch.rank == 1:
     while not coordinator.store.check(["rank-0-constructed"]):
         assert time.monotonic() < deadline, "rank 0's constructor waited for its peers"
         time.sleep(0.02)
+# On a store client of its own, as stages.py builds it: a client serves one call at a time,
+# and the rendezvous blocks in it until every rank joins - on the shared client, rank 0's `set`
+# below would wait behind it for rank 1, which waits for that `set`.
 group = BackgroundProcessGroup(rank=launch.rank, world_size=launch.world_size,
-                               store=coordinator.store, backend="gloo")
+                               store=coordinator.second_connection(), backend="gloo")
 if launch.rank == 0:
     coordinator.store.set("rank-0-constructed", "1")
 group.wait(60)
