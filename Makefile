@@ -22,11 +22,11 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/python examples/demo.py
 
-# The suite runs in parallel (pytest-xdist). Many of its tests wait on servers, sockets and
-# torchrun jobs rather than compute, so twice the 2 cores of our machines keeps them busy
-# (measured with two busy loops beside it: 4 workers 243 s, 3 workers 322-367 s); --dist
+# The suite runs in parallel (pytest-xdist) and is bound by the CPU: every torchrun job imports
+# torch in each of its processes. Six workers keep both cores busy while some tests wait on
+# servers and sockets (2026-12-04, 2 idle cores: 6 workers 418 s, 4 workers 456 s); --dist
 # loadgroup keeps the GPU tests on one worker (tests/conftest.py).
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 6
 test: setup
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10
 
