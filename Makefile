@@ -24,8 +24,8 @@ demo: setup
 
 # The suite runs in parallel (pytest-xdist) and is bound by the CPU: every torchrun job imports
 # torch in each of its processes. Six workers keep both cores busy while some tests wait on
-# servers and sockets (2026-12-04, 2 idle cores: 6 workers 418 s, 4 workers 456 s); --dist
-# loadgroup keeps the GPU tests on one worker (tests/conftest.py).
+# servers and sockets (four left a sixth of the CPU idle: 763 s of CPU in 456 s on 2 idle
+# cores); --dist loadgroup keeps the GPU tests on one worker (tests/conftest.py).
 TEST_WORKERS ?= 6
 test: setup
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10
