@@ -300,6 +300,7 @@ class Watchdog:
         coordinator: Coordinator | None,
         *,
         timeout_s: float,
+        timeout_flag: str = "--timeout",
         stale_after_s: float = 30.0,
         describe_stage: Callable[[], str] = lambda: "",
     ) -> None:
@@ -307,6 +308,7 @@ class Watchdog:
         self.coordinator = coordinator
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
+        self.timeout_flag = timeout_flag  # what the timeout's line tells the operator to raise
         self.stale_after_s = stale_after_s
         self.describe_stage = describe_stage
         self._failure: tuple[int, str] | None = None
@@ -422,8 +424,8 @@ class Watchdog:
                 where = f" during {stage}" if stage else ""
                 self._exit(
                     ExitCode.TIMEOUT,
-                    f"timed out after {self.timeout_s:g}s{where}; raise --timeout if the "
-                    "server or the checkpoint is just slow",
+                    f"timed out after {self.timeout_s:g}s{where}; raise {self.timeout_flag} if "
+                    "the server or the checkpoint is just slow",
                     publish=True,
                 )
             if self.coordinator is None:

@@ -21,6 +21,7 @@ from ckptctl.job.node_progress import NodeProgress
 from ckptctl.launch import LaunchInfo, launch_info
 from ckptctl.observe import timeline
 from ckptctl.progress import Reporter
+from ckptctl.settings import Setting
 
 T = TypeVar("T")
 # (name, this rank's document) -> every rank's, in rank order: a serve push's exchange of what
@@ -148,14 +149,17 @@ def run_job(
     body: Callable[[Job], T],
     *,
     timeout: float,
+    timeout_setting: Setting = Setting.timeout,
     verbose: bool = False,
     debug: bool = False,
 ) -> T:
-    """Run `body` on this rank under a watchdog; a failure here ends every rank promptly."""
+    """Run `body` on this rank under a watchdog, bounded by `timeout` seconds (the setting that
+    gave them, named in the timeout's line); a failure here ends every rank promptly."""
     coordinator = Coordinator.connect(launch, timeout)
     watchdog = Watchdog(
-        launch, coordinator, timeout_s=timeout, describe_stage=reporter.describe_running
-    )
+        launch, coordinator, timeout_s=timeout, timeout_flag=timeout_setting.flag,
+        describe_stage=reporter.describe_running,
+    )  # fmt: skip
     configure_engine_logging(verbose, debug)
     node = NodeProgress.start(launch, coordinator, reporter)  # rank 0 draws the whole node
     with watchdog:

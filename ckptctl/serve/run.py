@@ -10,7 +10,7 @@ from ckptctl.serve.control import check_socket_path, default_socket_path, job_ta
 from ckptctl.serve.loop import serve_loop
 from ckptctl.serve.push import HARD_GRACE_S, gpu_executor
 from ckptctl.serve.state import ServeOptions, ServeState
-from ckptctl.settings import P2P, RegisterMode
+from ckptctl.settings import P2P, RegisterMode, Setting
 from ckptctl.transfer.pausing import ServerPauses
 
 
@@ -73,9 +73,11 @@ def run_serve(opts: ServeOptions, reporter: Any, *, debug: bool = False) -> dict
         return {"ok": True, "ended": ended, "world_size": launch.world_size}
 
     try:
+        # (Until it serves, the job's start is bounded by --push-timeout too.)
         return run_job(
-            launch, reporter, body, timeout=opts.push_timeout, verbose=opts.verbose, debug=debug
-        )
+            launch, reporter, body, timeout=opts.push_timeout,
+            timeout_setting=Setting.push_timeout, verbose=opts.verbose, debug=debug,
+        )  # fmt: skip
     finally:
         if metrics is not None:
             metrics.close()

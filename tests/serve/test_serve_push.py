@@ -9,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,24 @@ def test_a_push_waits_for_a_server_until_its_own_deadline_not_the_jobs(
         assert _status(sock)["state"] == "idle" and job.poll() is None
         out, err = _stop(job, sock)
     assert job.returncode == 0, err[-3000:]
+
+
+def test_a_job_that_cannot_start_within_push_timeout_names_that_flag(short_tmp: Path) -> None:
+    """Until it serves, a serve job's start is bounded by --push-timeout (its help says so); past
+    it the job ends with exit 4 and its line names the flag to raise, not update's --timeout."""
+    with FakeServer(Behaviour()) as s:
+        r = subprocess.run(
+            [sys.executable, CPU_PS_RANK, "serve", "--inference-parallel-size", "1",
+             "--endpoint", s.endpoint, "--control-socket", str(short_tmp / "serve.sock"),
+             "--push-timeout", "1"],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "CPU_PS_START_HOLD_S": "30"},
+        )  # fmt: skip
+    assert r.returncode == 4, r.stderr
+    assert "timed out after 1s" in r.stderr, r.stderr
+    assert "raise serve --push-timeout if" in r.stderr and "--timeout if" not in r.stderr.replace(
+        "--push-timeout if", ""
+    ), r.stderr
 
 
 def test_no_rank_frees_the_previous_checkpoint_before_every_rank_has_pushed(

@@ -18,6 +18,7 @@ What the stand-in can be told to do:
 - CPU_PS_EVENTS=F: every rank appends "update-end NAME" / "unregister NAME" lines to F, one
   shared file, in the order they happen;
 - CPU_PS_SLOW_CHECK_RANK=r: rank r checks a --consume-shm-files plan late;
+- CPU_PS_START_HOLD_S=N: the ParameterServer's start takes N seconds (a slow CUDA start);
 - CPU_PS_TRANSFER=zmq: the update is the real ParameterServerSession's, around `CpuEngine`,
   which speaks checkpoint-engine's IPC protocol over real zmq sockets to the server's workers
   (a FakeServer whose on_update is tests/fake_worker.ZmqWorkers): the server can die, hang or
@@ -67,6 +68,7 @@ class CpuParameterServerSession:
         group_timeout_s: float | None = None,
     ) -> None:
         self.group_store = group_store  # the job's store (None for one process)
+        time.sleep(float(os.environ.get("CPU_PS_START_HOLD_S", "0")))
         self.group_timeout_s = group_timeout_s  # the NCCL group's, were there one
         log = os.environ.get("CPU_PS_LOG")
         if log:

@@ -222,9 +222,11 @@ def test_serve_a_trickling_server_fails_only_that_push(short_tmp: Path) -> None:
 
     sock = str(short_tmp / "serve.sock")
     paths = ("/update_weights_from_ipc",)
+    # (--push-timeout bounds the job's start too: 20 s lets it start on a busy machine; the
+    # trickled push still ends there, well inside GUARD_S.)
     with (
         FakeServer(Behaviour(mode="trickle_body", mode_paths=paths)) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "5", ranks=1) as job,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "20", ranks=1) as job,
     ):
         assert wait_for_path(sock)
         push = ("push", "--control-socket", sock, "--checkpoint-path", str(TINY))
