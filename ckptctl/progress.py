@@ -239,7 +239,10 @@ class Reporter:
             yield figures
             ok = True
         finally:
-            figures.seconds = (figures.ended_at or time.perf_counter()) - figures.started_at
+            # (An end seen before the stage began - a connection that beat the watcher's
+            # start - is a stage of no time, never a negative one.)
+            ended = max(figures.ended_at or time.perf_counter(), figures.started_at)
+            figures.seconds = ended - figures.started_at
             with self._lock:
                 self.running.pop(name, None)
             if not ok:

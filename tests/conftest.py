@@ -153,6 +153,7 @@ def cpu_serve_job(
     `endpoint`, with only checkpoint-engine's ParameterServer stood in (cpu_ps_rank.py);
     `port`: torchrun's master port (its store), else a free one. `ranks=1`: one process
     feeding a TP1 server, for tests whose subject is not the ranks (fake_server.one_process_job)."""
+    assert ranks in (1, 2) and (ranks == 2 or port is None), (ranks, port)
     if ranks == 1:
         program = (CPU_PS_RANK, "serve", "--inference-parallel-size", "1")
         return one_process_job(*program, "--endpoint", endpoint, *flags, env=env)

@@ -308,7 +308,7 @@ class TransferSockets:
     def workers_connected(self) -> bool:
         """Whether a server's worker took the current update's IPC handle: from then on a
         failure may leave the server with a mix of old and new weights."""
-        return self.workers_connected_at() is not None
+        return any(s.handle_sent.is_set() and not s.rescued for s in self.sockets)
 
     def workers_connected_at(self) -> float | None:
         """When (perf_counter) a server's worker took the current update's IPC handle; None

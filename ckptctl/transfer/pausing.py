@@ -280,8 +280,13 @@ class DrainWatch:
                         if st.ended_at is not None:
                             st.detail = "until the server's worker connected"
                             break
-                else:
-                    st.detail = "until the server answered (no worker connected first)"
+                else:  # (one look more: a worker that connected within the last poll)
+                    with contextlib.suppress(Exception):
+                        st.ended_at = self.connected_at()
+                    if st.ended_at is not None:
+                        st.detail = "until the server's worker connected"
+                    else:
+                        st.detail = "until the server answered (no worker connected first)"
             self.seconds = st.seconds
 
         thread = threading.Thread(target=watch, name="ckptctl-drain", daemon=True)

@@ -126,7 +126,8 @@ def test_a_push_past_its_timeout_fails_alone_and_the_job_serves_on(short_tmp: Pa
     sock = str(short_tmp / "serve.sock")
     with (
         FakeServer(Behaviour(update_delay_s=30)) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "3") as job,
+        # (--push-timeout bounds the job's start too: 10 s lets it start on a busy machine.)
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "10") as job,
     ):
         assert wait_for_path(sock)
         slow = _push(sock)
@@ -146,17 +147,16 @@ def test_a_push_waits_for_a_server_until_its_own_deadline_not_the_jobs(
 ) -> None:
     """Issue 33 item 9: a push's stages see the push's deadline (--push-timeout), never the job
     watchdog's, HARD_GRACE_S later, which ends the job: the first push into a server that is
-    not there waits 3 s at most, says so, and the job serves on."""
+    not there waits 10 s at most (the job's start has those 10 s too), says so, and the job
+    serves on."""
     sock = str(short_tmp / "serve.sock")
-    with cpu_serve_job(
-        refused_endpoint, "--control-socket", sock, "--push-timeout", "3", ranks=1
-    ) as job:
+    with cpu_serve_job(refused_endpoint, "--control-socket", sock, "--push-timeout", "10") as job:
         assert wait_for_path(sock)
         r = _push(sock)
         assert r.returncode == 4, r.stderr
         error = json.loads(r.stdout)["error"]
         waited = re.search(r"did not answer within serve --push-timeout \(([0-9.]+)s,", error)
-        assert waited is not None and float(waited.group(1)) <= 3.0, error
+        assert waited is not None and float(waited.group(1)) <= 10.0, error
         assert _status(sock)["state"] == "idle" and job.poll() is None
         out, err = _stop(job, sock)
     assert job.returncode == 0, err[-3000:]

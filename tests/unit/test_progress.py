@@ -522,3 +522,18 @@ def test_the_drain_stage_ends_where_the_worker_connected_not_a_poll_later() -> N
     assert stage.detail == "until the server's worker connected"
     assert stage.started_at + stage.seconds == pytest.approx(connected_at[0], abs=1e-6)
     assert drain.seconds == stage.seconds
+
+
+def test_a_connection_before_the_drain_began_is_a_drain_of_no_time() -> None:
+    """A worker that connected before the watcher's stage began (a fast server) makes a drain
+    of 0 s, never a negative one; one that connected within the last poll still counts."""
+    from ckptctl.transfer.pausing import DrainWatch
+
+    reporter = Reporter(lambda _: None, primary=True)
+    early = time.perf_counter()
+    drain = DrainWatch(reporter, lambda: early)
+    with drain.watching():
+        pass  # the request answered at once: the watcher may not have polled yet
+    (stage,) = [s for s in reporter.figures.stages if s.name == "drain"]
+    assert stage.seconds == 0.0 and drain.seconds == 0.0
+    assert stage.detail == "until the server's worker connected"
