@@ -503,12 +503,12 @@ class LogFormatChoice(str, Enum):
 
 MetricsPortOpt = Annotated[
     int | None,
-    typer.Option(
+    _opt(
         "--metrics-port",
         metavar="PORT",
         callback=at_least(1, 65535),
         show_default=False,
-        rich_help_panel=SERVE_JOB,
+        panel=SERVE_JOB,
         help="Serve Prometheus metrics (pushes, their stages and bytes, the served version, the "
         "job's state) on this port, from global rank 0. Needs the metrics extra: pip install "
         "'ckptctl\\[metrics]'.",
@@ -516,21 +516,21 @@ MetricsPortOpt = Annotated[
 ]
 MetricsHostOpt = Annotated[
     str,
-    typer.Option(
+    _opt(
         "--metrics-host",
         metavar="HOST",
-        rich_help_panel=SERVE_JOB,
+        panel=SERVE_JOB,
         help="Address the metrics listen on (0.0.0.0: every interface; they are not "
         "authenticated).",
     ),
 ]
 TraceOpt = Annotated[
     Path | None,
-    typer.Option(
+    _opt(
         "--trace",
         metavar="FILE",
         show_default=False,
-        rich_help_panel=OUTPUT,
+        panel=OUTPUT,
         help="Write a timeline of the job's stages on every rank (Chrome trace-event JSON: "
         "open it in Perfetto or chrome://tracing). Replaces FILE only where it is a trace "
         "written before; refuses any other file.",
@@ -538,10 +538,10 @@ TraceOpt = Annotated[
 ]
 LogFormatOpt = Annotated[
     LogFormatChoice,
-    typer.Option(
+    _opt(
         "--log-format",
         metavar="FORMAT",
-        rich_help_panel=OUTPUT,
+        panel=OUTPUT,
         help="text, or json: one JSON object per log line on stderr (time, rank, stage, "
         "message, figures), for log collectors.",
     ),
