@@ -313,7 +313,7 @@ class TransferSockets:
     def workers_connected_at(self) -> float | None:
         """When (perf_counter) a server's worker took the current update's IPC handle; None
         while none has."""
-        times = [s.handle_sent_at for s in self.sockets if s.handle_sent.is_set() and not s.rescued]
+        times = [s.handle_sent_at for s in self.sockets if not s.rescued]
         return min((t for t in times if t is not None), default=None)
 
     def buckets_announced(self) -> bool:

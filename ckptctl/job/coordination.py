@@ -39,6 +39,7 @@ from ckptctl.errors import (
     print_error,
 )
 from ckptctl.launch import LaunchInfo
+from ckptctl.settings import Setting
 
 HEARTBEAT_INTERVAL_S = 1.0
 # How far past the job's deadline our own bounded waits (store barriers, zmq) may run: the
@@ -300,7 +301,7 @@ class Watchdog:
         coordinator: Coordinator | None,
         *,
         timeout_s: float,
-        timeout_flag: str = "--timeout",
+        timeout_flag: str = Setting.timeout.flag,
         stale_after_s: float = 30.0,
         describe_stage: Callable[[], str] = lambda: "",
     ) -> None:

@@ -270,23 +270,22 @@ class DrainWatch:
         """Around the update's request (the leader's request thread)."""
         answered = threading.Event()
 
+        def look(st: StageFigures) -> None:
+            """The stage ends where the worker connected (if it has), not up to a poll later."""
+            with contextlib.suppress(Exception):
+                st.ended_at = self.connected_at()
+
         def watch() -> None:
             label = "waiting for the generations in flight (until the server takes the weights)"
             with self.reporter.stage("drain", label) as st:
-                while not answered.wait(DRAIN_POLL_S):
-                    with contextlib.suppress(Exception):
-                        # (It ends where the worker connected, not up to a poll later.)
-                        st.ended_at = self.connected_at()
-                        if st.ended_at is not None:
-                            st.detail = "until the server's worker connected"
-                            break
-                else:  # (one look more: a worker that connected within the last poll)
-                    with contextlib.suppress(Exception):
-                        st.ended_at = self.connected_at()
-                    if st.ended_at is not None:
-                        st.detail = "until the server's worker connected"
-                    else:
-                        st.detail = "until the server answered (no worker connected first)"
+                while st.ended_at is None and not answered.wait(DRAIN_POLL_S):
+                    look(st)
+                if st.ended_at is None:  # (one look more: a worker that connected in the last poll)
+                    look(st)
+                if st.ended_at is not None:
+                    st.detail = "until the server's worker connected"
+                else:
+                    st.detail = "until the server answered (no worker connected first)"
             self.seconds = st.seconds
 
         thread = threading.Thread(target=watch, name="ckptctl-drain", daemon=True)
