@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CPU_PS_RANK, run_script, wait_until
-from fake_server import Behaviour, FakeServer, showing_stderr
+from fake_server import Behaviour, FakeServer, running_job
 from locations import SERVE_RANK, TINY
 from torchrun_launch import torchrun_cmd
 
@@ -107,21 +107,8 @@ def _lower_open_files() -> None:
 
 @contextmanager
 def _job(cmd: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-        preexec_fn=_lower_open_files,
-    )
-    try:
-        with showing_stderr(proc, "the job"):
-            yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=60)
+    with running_job(cmd, env, preexec_fn=_lower_open_files) as proc:
+        yield proc
 
 
 def _wait_serving(job: subprocess.Popen[str], sock: str) -> None:

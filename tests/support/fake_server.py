@@ -600,13 +600,19 @@ def one_process_job(
 
 
 @contextlib.contextmanager
-def running_job(cmd: list[str], env: dict[str, str] | None) -> Iterator[subprocess.Popen[str]]:
+def running_job(
+    cmd: list[str], env: dict[str, str] | None, **popen: Any
+) -> Iterator[subprocess.Popen[str]]:
+    """`cmd` running while the block talks to it, its output piped as text, `env` added to this
+    environment (`popen`: more of Popen's arguments); a failure in the block shows its stderr
+    (`showing_stderr`), and a job still running when the block ends is killed and reaped."""
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
+        **popen,
     )
     try:
         with showing_stderr(proc, "the job"):
@@ -614,6 +620,7 @@ def running_job(cmd: list[str], env: dict[str, str] | None) -> Iterator[subproce
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=60)
 
 
 # The end of a job's stderr that a failure shows: its last words (why a rank ended) are there.
