@@ -18,8 +18,9 @@ from ckptctl.launch import launch_info
 
 
 def say(line: str) -> None:
-    """One line on stdout in one write: the ranks share the pipe, unbuffered under torchrun, so
-    a print's text and its newline could be split by another rank's line."""
+    """One line on stdout in one write (the job's Reporter writes through it too): the ranks,
+    and each rank's threads, share the pipe, unbuffered under torchrun, so a print's text and
+    its newline could be split by another's line, which would then match nothing."""
     os.write(1, (line + "\n").encode())
 
 
@@ -65,7 +66,7 @@ def main(scenario: str) -> None:
         watchdog.stop()
         path = sys.argv[2] if launch.rank == 0 else sys.argv[3]
         watchdog = Watchdog(launch, coordinator, timeout_s=60).start()
-        job = Job(launch, coordinator, watchdog, Reporter(print, primary=launch.rank == 0))
+        job = Job(launch, coordinator, watchdog, Reporter(say, primary=launch.rank == 0))
         plan = plan_split(read_checkpoint(path), launch.world_size, "files")
         try:
             check_same_plan(job, plan, path)
@@ -103,7 +104,7 @@ def main(scenario: str) -> None:
         from ckptctl.progress import Reporter
         from ckptctl.transfer.stages import hold_for_joiners
 
-        job = Job(launch, coordinator, watchdog, Reporter(print, primary=launch.rank == 0))
+        job = Job(launch, coordinator, watchdog, Reporter(say, primary=launch.rank == 0))
 
         def announce() -> None:
             # Once hold_for_joiners() has taken over the signals: a SIGTERM from now on stops it cleanly.
