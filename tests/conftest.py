@@ -11,6 +11,7 @@ import functools
 import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,14 @@ from fake_server import (  # noqa: E402
 from locations import CPU_PS_RANK  # noqa: E402
 
 from ckptctl.defaults import SOCKET_DIR_ENV  # noqa: E402
+
+# A suite started in the background of a non-interactive shell (`make test &`, `nohup`, some CI
+# runners) inherits SIGINT ignored, and every process it starts would inherit that too: the
+# tests that press Ctrl-C on a command would see nothing happen, and wait out their timeouts.
+# exec() keeps an ignored signal ignored but resets a handled one to its default, so handling
+# it here gives the commands the tests start a terminal's SIGINT.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
