@@ -1,6 +1,7 @@
-"""A serve job under the faults an operator meets, on CPU: a real torchrun job of 2 ranks whose
-update is the real ParameterServerSession's, speaking checkpoint-engine's IPC protocol over real
-zmq sockets (tests/support/cpu_ps_rank.py, CPU_PS_TRANSFER=zmq) to the workers of a fake SGLang
+"""A serve job under the faults an operator meets, on CPU: a real torchrun job of 2 ranks (or
+one process, where the fault is the server's alone) whose update is the real
+ParameterServerSession's, speaking checkpoint-engine's IPC protocol over real zmq sockets
+(tests/support/cpu_ps_rank.py, CPU_PS_TRANSFER=zmq) to the workers of a fake SGLang
 (tests/support/fake_worker.py) that can die, fail or be slow mid-transfer, or not be there at all.
 
 Each fault must end the push (never the job), with the documented exit code and words, and
@@ -79,13 +80,17 @@ class Site:
 
 
 @contextmanager
-def serve_job(short_tmp: Path, *flags: str) -> Iterator[tuple[Site, subprocess.Popen[str], str]]:
+def serve_job(
+    short_tmp: Path, *flags: str, ranks: int = 2
+) -> Iterator[tuple[Site, subprocess.Popen[str], str]]:
+    """A serve job feeding a fresh Site: 2 ranks under torchrun (a TP2 server), or, where the
+    fault's subject is the server and not the ranks, `ranks=1` (one process, a TP1 server)."""
     sock = str(short_tmp / "serve.sock")
     site = Site()
     try:
         with cpu_serve_job(
             site.endpoint, "--control-socket", sock, "--push-timeout", "300", *flags,
-            env={"CPU_PS_TRANSFER": "zmq", "CPU_PS_BUCKETS": "4"},
+            env={"CPU_PS_TRANSFER": "zmq", "CPU_PS_BUCKETS": "4"}, ranks=ranks,
         ) as job:  # fmt: skip
             assert wait_for_path(sock), "the serve job did not open its control socket"
             yield site, job, sock
@@ -188,7 +193,7 @@ def test_a_restore_is_refused_when_the_last_whole_push_changed_on_disk(
     and the server is said to hold a mix."""
     first = tmp_path / "first"
     shutil.copytree(TINY, first)
-    with serve_job(short_tmp) as (site, job, sock):
+    with serve_job(short_tmp, ranks=1) as (site, job, sock):
         assert push(sock, "--weight-version", "v1", path=first)[0] == 0
         shard = next(first.glob("*.safetensors"))
         os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
@@ -205,7 +210,7 @@ def test_a_restore_is_refused_when_the_last_whole_push_changed_on_disk(
 
 
 def test_no_restore_leaves_the_server_partial_and_says_so(short_tmp: Path) -> None:
-    with serve_job(short_tmp, "--no-restore") as (site, job, sock):
+    with serve_job(short_tmp, "--no-restore", ranks=1) as (site, job, sock):
         assert push(sock)[0] == 0
         site.workers.fail_at_bucket = 2
         code, doc, err = push(sock)
@@ -219,7 +224,7 @@ def test_no_restore_leaves_the_server_partial_and_says_so(short_tmp: Path) -> No
 def test_a_server_that_does_not_answer_fails_the_push_at_server_wait_and_shows_the_wait(
     short_tmp: Path,
 ) -> None:
-    with serve_job(short_tmp, "--server-wait", "8") as (site, job, sock):
+    with serve_job(short_tmp, "--server-wait", "8", ranks=1) as (site, job, sock):
         assert push(sock)[0] == 0
         site.die()
         waiting = push_in_background(sock)
@@ -316,7 +321,7 @@ def test_ctrl_c_on_push_cancels_it_and_the_server_is_restored(short_tmp: Path) -
 def test_ctrl_c_on_a_push_before_it_sent_anything_says_the_weights_are_unchanged(
     short_tmp: Path,
 ) -> None:
-    with serve_job(short_tmp, "--server-wait", "120") as (site, job, sock):
+    with serve_job(short_tmp, "--server-wait", "120", ranks=1) as (site, job, sock):
         assert push(sock)[0] == 0
         site.die()  # the push waits for the server: nothing of it reaches the server
         running = push_in_background(sock)
@@ -342,7 +347,7 @@ def test_rollback_pushes_the_previous_whole_checkpoint_unless_it_changed(
     first, third = tmp_path / "first", tmp_path / "third"
     shutil.copytree(TINY, first)
     shutil.copytree(TINY, third)
-    with serve_job(short_tmp) as (site, job, sock):
+    with serve_job(short_tmp, ranks=1) as (site, job, sock):
         refused = run_script("rollback", "--control-socket", sock, "--json", timeout=60)
         assert refused.returncode == 3, refused.stderr
         assert "nothing to roll back to" in json.loads(refused.stdout)["error"]
@@ -437,7 +442,7 @@ def test_an_update_says_what_it_waits_for_every_ten_seconds(tmp_path: Path) -> N
 def test_stop_ends_the_job_even_when_the_push_under_way_cannot_end(short_tmp: Path) -> None:
     """The server's workers hold every update: neither the cancelled push nor the restore after
     it ever end. The job still ends, STOP_GRACE_S after the stop, and says why."""
-    with serve_job(short_tmp) as (site, job, sock):
+    with serve_job(short_tmp, ranks=1) as (site, job, sock):
         assert push(sock)[0] == 0
         site.workers.hold_at_bucket, site.workers.hold_every_update = 2, True
         running = push_in_background(sock)

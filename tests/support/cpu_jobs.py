@@ -4,6 +4,7 @@ ParameterServer stood in (cpu_ps_rank.py), against servers on loopback."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,15 @@ UPDATE_ON_CPU = (CPU_PS_RANK, "update", "--checkpoint-path", str(TINY), "--timeo
 def update_on_cpu(*flags: str, nproc: int = 2, **kw: Any) -> subprocess.CompletedProcess[str]:
     """`UPDATE_ON_CPU` + `flags` under torchrun with `nproc` ranks, run to its end."""
     return run_torchrun(*UPDATE_ON_CPU, *flags, nproc=nproc, **kw)
+
+
+def update_in_one_process(*flags: str) -> subprocess.CompletedProcess[str]:
+    """`UPDATE_ON_CPU` + `flags` as one process, not under torchrun, run to its end: for the
+    tests whose subject is the server or the flags, not the ranks. It costs a third of a
+    2-rank job's CPU (every process imports torch), and the suite is CPU-bound."""
+    return subprocess.run(
+        [sys.executable, *UPDATE_ON_CPU, *flags], capture_output=True, text=True, timeout=100
+    )
 
 
 def update_consuming(path: Path, *flags: str):  # type: ignore[no-untyped-def]

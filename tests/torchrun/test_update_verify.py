@@ -11,7 +11,7 @@ import subprocess
 from typing import Any
 
 import pytest
-from cpu_jobs import update_on_cpu
+from cpu_jobs import update_in_one_process, update_on_cpu
 from fake_checker import HeldWeights
 from fake_server import Behaviour, FakeServer
 from locations import TINY
@@ -42,15 +42,17 @@ def _posts(server: FakeServer, path: str) -> list[dict[str, Any]]:
 
 
 def test_compare_checksum_proves_every_tensor_then_names_a_dropped_one() -> None:
-    good, bad = HeldWeights(tp_size=2), HeldWeights(tp_size=2, drop={Q})
+    """Both ranks' tensors are proven; the dropped one is named (by a job of one process: the
+    server's answer is the subject there, not the ranks)."""
+    good, bad = HeldWeights(tp_size=2), HeldWeights(drop={Q})
     with _receiving("sglang-pr17009", good) as s:
         ok = update_on_cpu(
             "--json", "--inference-parallel-size", "2", "--endpoint", s.endpoint, "--verify"
         )
         sent = _posts(s, "/weights_checker")[-1]
     with _receiving("sglang-pr17009", bad) as s:
-        failed = update_on_cpu(
-            "--json", "--inference-parallel-size", "2", "--endpoint", s.endpoint, "--verify"
+        failed = update_in_one_process(
+            "--json", "--inference-parallel-size", "1", "--endpoint", s.endpoint, "--verify"
         )
     assert ok.returncode == 0, ok.stderr
     doc = _result(ok)
@@ -86,19 +88,20 @@ def test_two_servers_agree_per_engine_and_a_corrupting_one_is_named() -> None:
 
 
 @pytest.mark.parametrize(
-    ("profile", "why"),
+    ("profile", "why", "ranks"),
     [
-        ("sglang-0.5.4", "has no weights checker"),
-        ("sglang-0.5.9", "offers only snapshot/reset_tensors/compare"),
-        ("sglang-0.5.23", "this job feeds one server"),
+        ("sglang-0.5.4", "has no weights checker", 1),
+        ("sglang-0.5.9", "offers only snapshot/reset_tensors/compare", 1),
+        ("sglang-0.5.23", "this job feeds one server", 2),  # (and both ranks end before it)
     ],
 )
 def test_a_server_that_cannot_prove_it_ends_with_exit_3_before_the_push(
-    profile: str, why: str
+    profile: str, why: str, ranks: int
 ) -> None:
-    with _receiving(profile, HeldWeights(tp_size=2)) as s:
-        r = update_on_cpu(
-            "--json", "--inference-parallel-size", "2", "--endpoint", s.endpoint, "--verify"
+    with _receiving(profile, HeldWeights(tp_size=ranks)) as s:
+        run = update_on_cpu if ranks == 2 else update_in_one_process
+        r = run(
+            "--json", "--inference-parallel-size", str(ranks), "--endpoint", s.endpoint, "--verify"
         )
         updates = _posts(s, "/update_weights_from_ipc")
     assert r.returncode != 0 and _result(r)["exit_code"] == 3
@@ -107,8 +110,8 @@ def test_a_server_that_cannot_prove_it_ends_with_exit_3_before_the_push(
 
 
 def test_the_round_trip_needs_its_confirmation() -> None:
-    unconfirmed = update_on_cpu("--json", "--verify-round-trip", nproc=1)
-    assert _result(unconfirmed)["exit_code"] == 2  # (torchrun itself exits 1)
+    unconfirmed = update_in_one_process("--json", "--verify-round-trip")
+    assert unconfirmed.returncode == 2 and _result(unconfirmed)["exit_code"] == 2
     assert "--reset-served-weights" in unconfirmed.stderr
 
 
@@ -125,11 +128,11 @@ def test_the_round_trip_passes_then_catches_a_dropped_tensor() -> None:
     assert _result(ok)["verified"] == "round-trip"
     assert actions[-3:] == ["snapshot", "reset_tensors", "compare"]
 
-    bad = HeldWeights.started_from(TINY, tp_size=2)
+    bad = HeldWeights.started_from(TINY)  # (fed by one process: the server is the subject)
     bad.drop = {Q}
     with _receiving("sglang-0.5.23", bad) as s:
-        failed = update_on_cpu(
-            "--json", "--inference-parallel-size", "2", "--endpoint", s.endpoint, *flags
+        failed = update_in_one_process(
+            "--json", "--inference-parallel-size", "1", "--endpoint", s.endpoint, *flags
         )
     assert failed.returncode != 0 and _result(failed)["exit_code"] == 1
     assert f"1 parameter(s) differ: {Q}" in failed.stderr
@@ -139,8 +142,8 @@ def test_the_round_trip_refuses_a_server_that_would_lose_its_rope_caches() -> No
     held = HeldWeights.started_from(TINY)
     flags = ("--verify-round-trip", "--reset-served-weights")
     with _receiving("sglang-0.5.9", held) as s:
-        r = update_on_cpu(
-            "--json", "--inference-parallel-size", "1", "--endpoint", s.endpoint, *flags, nproc=1
+        r = update_in_one_process(
+            "--json", "--inference-parallel-size", "1", "--endpoint", s.endpoint, *flags
         )
         actions = [p["action"] for p in _posts(s, "/weights_checker")]
         updates = _posts(s, "/update_weights_from_ipc")
