@@ -22,9 +22,9 @@ Q = "model.layers.0.self_attn.q_proj.weight"
 pytestmark = pytest.mark.slow
 
 
-def _receiving(profile: str) -> FakeServer:
+def _receiving(profile: str, tp_size: int) -> FakeServer:
     """A server that holds what a push of TINY gives it (minus what `behaviour.held` drops)."""
-    behaviour = Behaviour(profile=profile, held=HeldWeights(tp_size=2))
+    behaviour = Behaviour(profile=profile, held=HeldWeights(tp_size=tp_size))
     behaviour.on_update = lambda _handles, _body: behaviour.held.receive(TINY)
     return FakeServer(behaviour)
 
@@ -36,10 +36,14 @@ def _push(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def _serve_and_push(profile: str, sock: str, between: list) -> list:
-    """Start a serve job feeding one TP2 server, run each step of `between` (each gets the
-    server and returns a push's result), stop the job; the job must end cleanly."""
-    with _receiving(profile) as s, cpu_serve_job(s.endpoint, "--control-socket", sock) as job:
+def _serve_and_push(profile: str, sock: str, between: list, ranks: int = 2) -> list:
+    """Start a serve job feeding one TP2 server (`ranks=1`: one process feeding a TP1 server),
+    run each step of `between` (each gets the server and returns a push's result), stop the
+    job; the job must end cleanly."""
+    with (
+        _receiving(profile, tp_size=ranks) as s,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, ranks=ranks) as job,
+    ):
         assert wait_for_path(sock), "the control socket never appeared"
         results = [step(s) for step in between]
         assert run_script("stop", "--control-socket", sock, timeout=30).returncode == 0
@@ -93,6 +97,7 @@ def test_push_verify_without_a_checker_is_exit_3_before_anything_is_pushed(
         [lambda s: _push(sock), updates, lambda s: run_script(
             "push", "--control-socket", sock, "--checkpoint-path", str(TINY), timeout=100
         )],
+        ranks=1,  # (the refusal is the server's: one process is enough)
     )  # fmt: skip
     assert refused.returncode == 3, refused.stderr
     assert pushed == 0  # nothing reached the server

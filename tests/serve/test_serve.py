@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import raw_exchange, run_script, wait_for_path
-from fake_server import torchrun_job
+from fake_server import one_process_job, torchrun_job
 from locations import SERVE_RANK, TINY
 
 pytestmark = pytest.mark.slow
@@ -119,9 +119,12 @@ def test_every_client_offers_its_wait_for_a_job_until_a_wait_given_ran_out(
 
 
 def _job(
-    sock: str, *, port: int | None = None, **env: str
+    sock: str, *, port: int | None = None, ranks: int = 2, **env: str
 ) -> AbstractContextManager[subprocess.Popen[str]]:
-    """The 2-rank serve job of serve_rank.py on control socket `sock`."""
+    """The 2-rank serve job of serve_rank.py on control socket `sock`; `ranks=1`: one process,
+    for the tests whose subject is the control socket and its clients, not the ranks."""
+    if ranks == 1:
+        return one_process_job(SERVE_RANK, sock, env=env)
     return torchrun_job(SERVE_RANK, sock, port=port, env=env)
 
 
@@ -218,7 +221,7 @@ def test_push_and_status_wait_for_a_job_that_is_still_starting(short_tmp: Path) 
         "push", "--control-socket", sock, "--checkpoint-path", str(TINY), "--wait", "0.5"
     )
     assert nothing.returncode == 4 and "waited 0.5s" in nothing.stderr, nothing.stderr
-    with _job(sock) as job:
+    with _job(sock, ranks=1) as job:
         # Started at once, before the job's socket can exist.
         push = subprocess.Popen(
             [*_script("push"), "--control-socket", sock, "--checkpoint-path", str(TINY),
@@ -247,7 +250,7 @@ def _script(*args: str) -> list[str]:
 def test_malformed_requests_get_an_answer_and_the_job_serves_on(short_tmp: Path) -> None:
     """Issue 14 item 7: a bad Content-Length is a 400, a huge one a 413; never a traceback."""
     sock = str(short_tmp / "serve.sock")
-    with _job(sock) as job:
+    with _job(sock, ranks=1) as job:
         assert wait_for_path(sock)
         bad = raw_exchange(sock, b"POST /push HTTP/1.1\r\nContent-Length: abc\r\n\r\n")
         assert bad.startswith(b"HTTP/1.1 400 "), bad

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 from conftest import cpu_serve_job, run_script, wait_for_path, wait_until
+from cpu_jobs import update_in_one_process
 from fake_server import Behaviour, FakeServer
 from locations import CPU_PS_RANK, TINY
-from torchrun_launch import free_master_port, torchrun_cmd
+from torchrun_launch import free_master_port
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +45,12 @@ def test_a_push_that_breaks_off_after_the_workers_connected_says_partial_and_the
 ) -> None:
     """Issue 14 item 9: the server may now hold a mix of old and new weights. The push's error
     and JSON say so, `status` shows it, and the next good push (every tensor) records a whole
-    set again, with its checkpoint and weight version."""
+    set again, with its checkpoint and weight version. (One process: the server and the job's
+    record of it are the subject here, not the ranks.)"""
     sock = str(short_tmp / "serve.sock")
     with (
         FakeServer(Behaviour()) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60") as job,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "60", ranks=1) as job,
     ):
         assert wait_for_path(sock)
         assert _status(sock)["server_weights"] is None  # nothing pushed yet
@@ -248,12 +250,10 @@ def test_an_update_that_breaks_off_after_the_workers_connected_says_partial_in_i
     """The same for `update`: its error line and its JSON document say the server's weights
     may be partial."""
     with FakeServer(Behaviour()) as s:
-        cmd = torchrun_cmd(
-            CPU_PS_RANK, "update", "--checkpoint-path", str(TINY), "--checkpoint-name",
-            "x-fail-after-connect", "--inference-parallel-size", "2", "--endpoint", s.endpoint,
-            "--timeout", "60", "--json",
+        r = update_in_one_process(
+            "--checkpoint-name", "x-fail-after-connect", "--inference-parallel-size", "1",
+            "--endpoint", s.endpoint, "--json",
         )  # fmt: skip
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     doc = json.loads(r.stdout)
     assert doc["ok"] is False and doc["server_weights"] == "partial", doc
@@ -285,7 +285,7 @@ def test_a_push_of_other_shapes_is_refused_before_anything_is_sent(
     env = {"CPU_PS_EVENTS": str(events)}
     with (
         FakeServer(Behaviour()) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, env=env) as job,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, env=env, ranks=1) as job,
     ):
 
         def updates() -> int:
