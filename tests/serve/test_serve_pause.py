@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from conftest import run_script, wait_for_path, wait_until
 from fake_generation import start
-from fake_server import Behaviour, FakeServer, free_master_port, torchrun_job
+from fake_server import Behaviour, FakeServer, free_master_port, one_process_job, torchrun_job
 from fake_worker import ZmqWorkers
 from locations import CPU_PS_RANK
 from test_serve_faults import push, push_in_background, status, stop
@@ -62,14 +62,22 @@ class Site:
 def serve_job(
     short_tmp: Path, sites: list[Site], tp: int, *flags: str
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A serve job feeding `sites`, each of TP `tp`: under torchrun, or one process where that
+    is one rank (the pause of one server is the subject there, not the ranks)."""
     sock = str(short_tmp / "serve.sock")
     endpoints = [a for s in sites for a in ("--endpoint", s.endpoint)]
+    program = (
+        CPU_PS_RANK, "serve", "--inference-parallel-size", str(tp), *endpoints,
+        "--control-socket", sock, "--push-timeout", "300", *flags,
+    )  # fmt: skip
+    env = {"CPU_PS_TRANSFER": "zmq", "CPU_PS_BUCKETS": "4"}
+    ranks = tp * len(sites)
     try:
-        with torchrun_job(
-            CPU_PS_RANK, "serve", "--inference-parallel-size", str(tp), *endpoints,
-            "--control-socket", sock, "--push-timeout", "300", *flags,
-            env={"CPU_PS_TRANSFER": "zmq", "CPU_PS_BUCKETS": "4"}, nproc=tp * len(sites),
-        ) as job:  # fmt: skip
+        with (
+            one_process_job(*program, env=env)
+            if ranks == 1
+            else torchrun_job(*program, env=env, nproc=ranks)
+        ) as job:
             assert wait_for_path(sock), "the serve job did not open its control socket"
             yield job, sock
     finally:
@@ -158,7 +166,7 @@ def test_three_servers_are_one_transaction(short_tmp: Path) -> None:
 
 
 def test_a_push_s_own_mode_its_stages_and_a_stop_while_paused(short_tmp: Path) -> None:
-    """One TP2 server, serve --pause none (the default): a push waits for the generations in
+    """One TP1 server, serve --pause none (the default): a push waits for the generations in
     flight (its "drain" stage); `push --pause in_place` holds them instead (no flush of the
     cache, which SGLang would refuse), its pause and resume in the figures, the trace and the
     metrics; a server that does not resume fails the push and is resumed by the next one; and
@@ -169,7 +177,7 @@ def test_a_push_s_own_mode_its_stages_and_a_stop_while_paused(short_tmp: Path) -
     site = Site()
     port = free_master_port()
     trace = short_tmp / "push.json"
-    with serve_job(short_tmp, [site], 2, "--metrics-port", str(port)) as (job, sock):
+    with serve_job(short_tmp, [site], 1, "--metrics-port", str(port)) as (job, sock):
         url = f"http://127.0.0.1:{port}/metrics"
         site.generate(2)
         waited = push_in_background(sock, "--weight-version", "v1")

@@ -114,14 +114,14 @@ def test_a_server_that_is_not_up_in_time_ends_both_ranks_with_exit_4(
 
 
 def test_serve_pushes_and_survives_a_refused_push(short_tmp: Path) -> None:
-
+    """(One process: a refusal on 2 ranks is test_serve_push's.)"""
     import httpx
     from conftest import run_script
 
     sock = str(short_tmp / "serve.sock")
     with (
         FakeServer(Behaviour()) as s,
-        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "30") as job,
+        cpu_serve_job(s.endpoint, "--control-socket", sock, "--push-timeout", "30", ranks=1) as job,
     ):
         assert wait_for_path(sock)
 
