@@ -102,6 +102,9 @@ def write_metas_file(
     name), OperationFailed when the file cannot be written. Either way nothing is left behind:
     the file appears complete (temporary file in the same folder, fsync, rename) or not at all.
     """
+    from ckptctl.ce.bare_import import engine_module
+
+    engine_module("data_types")  # (entered bare: the import below skips the package's HTTP API)
     from checkpoint_engine.data_types import MemoryBufferMetaList
     from pydantic import TypeAdapter
 
@@ -378,6 +381,9 @@ def validate_metas(data: Any, *, source: str) -> dict[int, MemoryBufferMetaList]
     Validation is pydantic's strict JSON mode (no "123" for an int), plus what the models do
     not check: canonical rank keys, known dtypes, non-negative sizes, consistent buffers.
     """
+    from ckptctl.ce.bare_import import engine_module
+
+    engine_module("data_types")  # (entered bare: the import below skips the package's HTTP API)
     from checkpoint_engine.data_types import MemoryBufferMetaList
     from pydantic import TypeAdapter, ValidationError
 

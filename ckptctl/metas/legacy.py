@@ -73,6 +73,10 @@ class RefusedGlobal(pickle.UnpicklingError):
 
 def _admitted_globals() -> dict[tuple[str, str], Any]:
     import torch
+
+    from ckptctl.ce.bare_import import engine_module
+
+    engine_module("data_types")  # (entered bare: the import below skips the package's HTTP API)
     from checkpoint_engine.data_types import MemoryBufferMetaList, MemoryBufferMetas, ParameterMeta
 
     admitted: dict[tuple[str, str], Any] = {

@@ -1,7 +1,7 @@
 """What ckptctl relies on inside checkpoint-engine (pinned >=0.4.2,<0.5), checked on CPU, so
 that a release that changes it fails here rather than in an update on a GPU node:
 
-- its package imports without the HTTP API (ce/bare_import.py);
+- its package imports without the HTTP API (ce/bare_import.py), for metas files too;
 - the fields of the models we build without validation (host_memory MetaMaker, model_construct);
 - the state its gather_metas leaves in a ParameterServer, which `apply_gathered` must leave
   exactly the same way: both run side by side over a real (gloo) process group of 2 torchrun
@@ -47,6 +47,32 @@ def test_the_parameter_server_imports_without_the_http_api() -> None:
     assert not is_bare() and "checkpoint_engine.api" in sys.modules
     import checkpoint_engine
     assert "update_weights_from_ipc" in checkpoint_engine.__all__
+    print("ok")
+    """
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_metas_files_are_read_and_written_without_the_http_api(tmp_path: Path) -> None:
+    """inspect-metas, join and --load-metas-file start a third of a second sooner: a metas
+    file, and a legacy pickle, are read (and written again) with the package still bare."""
+    from metas_samples import small_metas, write_small_metas
+
+    metas_file = write_small_metas(tmp_path)
+    pickled = tmp_path / "metas.pkl"
+    pickled.write_bytes(pickle.dumps(small_metas()))
+    code = f"""
+    import sys
+    from ckptctl.ce.bare_import import is_bare
+    from ckptctl.metas import read_metas_file, write_metas_file
+    read = read_metas_file({str(metas_file)!r})
+    legacy = read_metas_file({str(pickled)!r}, allow_pickle=True)
+    assert legacy.metas == read.metas
+    write_metas_file({str(tmp_path / "again.json")!r}, read.metas, checkpoint_name="x", world_size=2)
+    heavy = [m for m in ("fastapi", "checkpoint_engine.api") if m in sys.modules]
+    assert is_bare() and not heavy, f"imported anyway: {{heavy}}"
     print("ok")
     """
     r = subprocess.run(
