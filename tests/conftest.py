@@ -43,7 +43,7 @@ from locations import CPU_PS_RANK  # noqa: E402
 
 from ckptctl.defaults import SOCKET_DIR_ENV  # noqa: E402
 
-# A suite started in the background of a non-interactive shell (`make test &`, `nohup`, some CI
+# A suite started in the background of a non-interactive shell (`make test &`, some CI
 # runners) inherits SIGINT ignored, and every process it starts would inherit that too: the
 # tests that press Ctrl-C on a command would see nothing happen, and wait out their timeouts.
 # exec() keeps an ignored signal ignored but resets a handled one to its default, so handling

@@ -221,19 +221,24 @@ def test_push_and_status_wait_for_a_job_that_is_still_starting(short_tmp: Path) 
         "push", "--control-socket", sock, "--checkpoint-path", str(TINY), "--wait", "0.5"
     )
     assert nothing.returncode == 4 and "waited 0.5s" in nothing.stderr, nothing.stderr
+    # Both clients start before the job does: no socket can be there when they first look.
+    push, status = (
+        subprocess.Popen(
+            [*_script(*args), "--control-socket", sock, "--wait", "120"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in (("push", "--checkpoint-path", str(TINY), "--json"), ("status",))
+    )
+    assert not os.path.exists(sock)
     with _job(sock, ranks=1) as job:
-        # Started at once, before the job's socket can exist.
-        push = subprocess.Popen(
-            [*_script("push"), "--control-socket", sock, "--checkpoint-path", str(TINY),
-             "--wait", "120", "--json"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        status = run_script("status", "--control-socket", sock, "--wait", "120", timeout=180)
         out, err = push.communicate(timeout=180)
         assert push.returncode == 0, err
         assert json.loads(out)["ok"] is True
-        assert status.returncode == 0, status.stderr
-        assert "serve job:" in status.stdout
+        status_out, status_err = status.communicate(timeout=180)
+        assert status.returncode == 0, status_err
+        assert "serve job:" in status_out
         stop = run_script("stop", "--control-socket", sock, "--wait", "60")
         assert stop.returncode == 0 and stop.stdout == f"stopped: the serve job on {sock}\n"
         assert not os.path.exists(sock)

@@ -166,7 +166,8 @@ def test_three_servers_are_one_transaction(short_tmp: Path) -> None:
 
 
 def test_a_push_s_own_mode_its_stages_and_a_stop_while_paused(short_tmp: Path) -> None:
-    """One TP1 server, serve --pause none (the default): a push waits for the generations in
+    """One TP2 server (its second rank pauses nothing and waits for the first's pause), serve
+    --pause none (the default): a push waits for the generations in
     flight (its "drain" stage); `push --pause in_place` holds them instead (no flush of the
     cache, which SGLang would refuse), its pause and resume in the figures, the trace and the
     metrics; a server that does not resume fails the push and is resumed by the next one; and
@@ -177,7 +178,7 @@ def test_a_push_s_own_mode_its_stages_and_a_stop_while_paused(short_tmp: Path) -
     site = Site()
     port = free_master_port()
     trace = short_tmp / "push.json"
-    with serve_job(short_tmp, [site], 1, "--metrics-port", str(port)) as (job, sock):
+    with serve_job(short_tmp, [site], 2, "--metrics-port", str(port)) as (job, sock):
         url = f"http://127.0.0.1:{port}/metrics"
         site.generate(2)
         waited = push_in_background(sock, "--weight-version", "v1")

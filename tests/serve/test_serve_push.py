@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cpu_serve_job, run_script, wait_for_path, wait_until
-from cpu_jobs import update_in_one_process
+from cpu_jobs import update_on_cpu
 from fake_server import Behaviour, FakeServer
 from locations import CPU_PS_RANK, TINY
 from torchrun_launch import free_master_port
@@ -250,8 +250,9 @@ def test_an_update_that_breaks_off_after_the_workers_connected_says_partial_in_i
     """The same for `update`: its error line and its JSON document say the server's weights
     may be partial."""
     with FakeServer(Behaviour()) as s:
-        r = update_in_one_process(
-            "--checkpoint-name", "x-fail-after-connect", "--inference-parallel-size", "1",
+        # 2 ranks: the worker that fails is the last rank's, and rank 0 must still say partial.
+        r = update_on_cpu(
+            "--checkpoint-name", "x-fail-after-connect", "--inference-parallel-size", "2",
             "--endpoint", s.endpoint, "--json",
         )  # fmt: skip
     assert r.returncode != 0
