@@ -2,11 +2,10 @@
 
 checkpoint_engine/__init__.py imports the package's HTTP API (fastapi, starlette, pydantic
 models), which no rank uses, on every rank's critical path (and on that of every command that
-reads a metas file); the modules we use (ps, data_types, device_utils, worker) import their
-siblings directly. So the package is entered as a bare
-module, and its `__init__` runs when the package itself is first asked for a name, through a
-module `__getattr__` (PEP 562). tests/torchrun/test_engine_internals.py fails when that stops
-holding.
+reads or writes a metas file); the modules we use (ps, data_types, device_utils, worker) import
+their siblings directly. So the package is entered as a bare module, and its `__init__` runs
+when the package itself is first asked for a name, through a module `__getattr__` (PEP 562).
+tests/torchrun/test_engine_internals.py fails when that stops holding.
 """
 
 from __future__ import annotations

@@ -406,7 +406,8 @@ PushTimeoutOpt = Annotated[
         metavar="SECONDS",
         callback=at_least(1),
         panel=TRANSFER,
-        help="Seconds one push may take (it fails with exit 4 past that; the job goes on), and the job's start.",
+        help="Seconds one push may take (it fails with exit 4 past that; the job goes on), and "
+        "the job's start.",
     ),
 ]
 
