@@ -32,13 +32,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 import pytest  # noqa: E402
 from cli_run import ckptctl_script, invoke, run_script  # noqa: E402, F401 - tests import them from here
-from fake_server import (  # noqa: E402
-    Behaviour,
-    FakeServer,
-    one_process_job,
-    reserved_port,
-    torchrun_job,
-)
+from fake_server import Behaviour, FakeServer, job_of_ranks, reserved_port  # noqa: E402
 from locations import CPU_PS_RANK  # noqa: E402
 
 from ckptctl.defaults import SOCKET_DIR_ENV  # noqa: E402
@@ -161,14 +155,11 @@ def cpu_serve_job(
     """A 2-rank `ckptctl serve` job under a real torchrun, feeding the TP2 server at
     `endpoint`, with only checkpoint-engine's ParameterServer stood in (cpu_ps_rank.py);
     `port`: torchrun's master port (its store), else a free one. `ranks=1`: one process
-    feeding a TP1 server, for tests whose subject is not the ranks (fake_server.one_process_job)."""
-    assert ranks in (1, 2) and (ranks == 2 or port is None), (ranks, port)
-    if ranks == 1:
-        program = (CPU_PS_RANK, "serve", "--inference-parallel-size", "1")
-        return one_process_job(*program, "--endpoint", endpoint, *flags, env=env)
-    return torchrun_job(
-        CPU_PS_RANK, "serve", "--inference-parallel-size", "2", "--endpoint", endpoint, *flags,
-        env=env, port=port,
+    feeding a TP1 server, for tests whose subject is not the ranks (fake_server.job_of_ranks)."""
+    assert ranks in (1, 2), ranks
+    return job_of_ranks(
+        ranks, CPU_PS_RANK, "serve", "--inference-parallel-size", str(ranks),
+        "--endpoint", endpoint, *flags, env=env, port=port,
     )  # fmt: skip
 
 

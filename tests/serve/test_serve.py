@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import raw_exchange, run_script, wait_for_path
-from fake_server import one_process_job, torchrun_job
+from fake_server import job_of_ranks, torchrun_job
 from locations import SERVE_RANK, TINY
 
 pytestmark = pytest.mark.slow
@@ -123,9 +123,7 @@ def _job(
 ) -> AbstractContextManager[subprocess.Popen[str]]:
     """The 2-rank serve job of serve_rank.py on control socket `sock`; `ranks=1`: one process,
     for the tests whose subject is the control socket and its clients, not the ranks."""
-    if ranks == 1:
-        return one_process_job(SERVE_RANK, sock, env=env)
-    return torchrun_job(SERVE_RANK, sock, port=port, env=env)
+    return job_of_ranks(ranks, SERVE_RANK, sock, port=port, env=env)
 
 
 def _ran(log: Path) -> list[str]:

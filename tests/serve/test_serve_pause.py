@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from conftest import run_script, wait_for_path, wait_until
 from fake_generation import start
-from fake_server import Behaviour, FakeServer, free_master_port, one_process_job, torchrun_job
+from fake_server import Behaviour, FakeServer, free_master_port, job_of_ranks
 from fake_worker import ZmqWorkers
 from locations import CPU_PS_RANK
 from test_serve_faults import push, push_in_background, status, stop
@@ -71,13 +71,8 @@ def serve_job(
         "--control-socket", sock, "--push-timeout", "300", *flags,
     )  # fmt: skip
     env = {"CPU_PS_TRANSFER": "zmq", "CPU_PS_BUCKETS": "4"}
-    ranks = tp * len(sites)
     try:
-        with (
-            one_process_job(*program, env=env)
-            if ranks == 1
-            else torchrun_job(*program, env=env, nproc=ranks)
-        ) as job:
+        with job_of_ranks(tp * len(sites), *program, env=env) as job:
             assert wait_for_path(sock), "the serve job did not open its control socket"
             yield job, sock
     finally:
@@ -167,8 +162,7 @@ def test_three_servers_are_one_transaction(short_tmp: Path) -> None:
 
 def test_a_push_s_own_mode_its_stages_and_a_stop_while_paused(short_tmp: Path) -> None:
     """One TP2 server (its second rank pauses nothing and waits for the first's pause), serve
-    --pause none (the default): a push waits for the generations in
-    flight (its "drain" stage); `push --pause in_place` holds them instead (no flush of the
+    --pause none (the default): a push waits for the generations in flight (its "drain" stage); `push --pause in_place` holds them instead (no flush of the
     cache, which SGLang would refuse), its pause and resume in the figures, the trace and the
     metrics; a server that does not resume fails the push and is resumed by the next one; and
     `ckptctl stop` while a push holds the server paused (its update request unanswered) ends

@@ -599,6 +599,17 @@ def one_process_job(
         yield proc
 
 
+def job_of_ranks(
+    ranks: int, *program: str, env: dict[str, str] | None = None, **torchrun: Any
+) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+    """`program` as a job of `ranks` ranks: one process (`one_process_job`) for one, else under
+    torchrun (`torchrun_job`, with `torchrun`'s options: a port, nodes)."""
+    if ranks == 1:
+        assert all(v is None for v in torchrun.values()), torchrun  # (one process: no store)
+        return one_process_job(*program, env=env)
+    return torchrun_job(*program, env=env, nproc=ranks, **torchrun)
+
+
 @contextlib.contextmanager
 def running_job(
     cmd: list[str], env: dict[str, str] | None, **popen: Any
