@@ -56,6 +56,10 @@ from ckptctl.small_http import (
 from ckptctl.unix_peers import peer_uid
 
 MAX_CONNECTIONS = 32
+# How long a closing job waits for the answers its handlers have returned to reach their clients:
+# the answer to `stop` is written after the handler returns, while the job is already ending,
+# and the process must not end first (the client would see no answer and exit 1).
+ANSWER_GRACE_S = 2.0
 SOCKET_GLOB = "serve-*.sock"
 
 # (parsed JSON body, or None without one) -> (HTTP status, JSON answer)
@@ -167,6 +171,8 @@ class ControlServer:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._refusals = threading.BoundedSemaphore(8)
         self._closed = threading.Event()
+        self._answering: set[threading.Thread] = set()  # connections being served
+        self._answering_lock = threading.Lock()
         self._sock = _bind_private(path)
         st = os.lstat(path)
         self._identity = (st.st_dev, st.st_ino)
@@ -189,6 +195,11 @@ class ControlServer:
         self._thread.join(timeout=2)
         with contextlib.suppress(OSError):
             self._sock.close()
+        deadline = time.monotonic() + ANSWER_GRACE_S
+        with self._answering_lock:
+            answering = list(self._answering)
+        for thread in answering:  # (one whose handler still blocks is left to die with us)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _accept_loop(self) -> None:
         self._sock.settimeout(0.2)
@@ -214,9 +225,12 @@ class ControlServer:
             if not self._slots.acquire(blocking=False):
                 self._refuse(conn, 503, f"more than {MAX_CONNECTIONS} connections at once")
                 continue
-            threading.Thread(
+            thread = threading.Thread(
                 target=self._serve, args=(conn,), name="ckptctl-control-conn", daemon=True
-            ).start()
+            )
+            with self._answering_lock:
+                self._answering.add(thread)
+            thread.start()
 
     def _refuse(self, conn: socket.socket, status: int, error: str) -> None:
         """Another uid (403), or too many connections (503): answered in a thread of its own,
@@ -266,6 +280,8 @@ class ControlServer:
         finally:
             conn.close()
             self._slots.release()
+            with self._answering_lock:
+                self._answering.discard(threading.current_thread())
 
 
 def _bind_private(path: str) -> socket.socket:

@@ -620,3 +620,34 @@ def test_ctrl_c_on_a_push_finds_its_answer_also_when_it_was_refused(short_tmp: P
         server.close()
     assert answer["exit_code"] == 3 and answer["seq"] == 2, answer
     assert answer["error"].startswith("no checkpoint at /typo")
+
+
+# A job whose stop handler has returned, and which ends at once: its answer is still being
+# written by the connection's thread (made slow here), which the process's end would kill.
+STOP_THEN_END = """
+import sys, threading, time
+from ckptctl.serve import control
+
+control.ANSWER_GRACE_S = 120  # (a busy machine's pace must not decide it)
+slow_send = control.send_json
+control.send_json = lambda *a: (time.sleep(2), slow_send(*a))
+stopped = threading.Event()
+handlers = {("POST", "/stop"): lambda doc: (stopped.set(), (200, {"ok": True, "stopping": True}))[1]}
+server = control.ControlServer(sys.argv[1], handlers).start()
+print("listening", flush=True)
+stopped.wait()
+server.close()
+"""
+
+
+def test_a_job_that_ends_right_after_a_stop_still_answers_it(short_tmp: Path) -> None:
+    """The client of `stop` got no answer (and exited 1) when the job ended before the
+    connection's thread wrote it: closing waits for the answers already decided."""
+    sock = str(short_tmp / "serve.sock")
+    with subprocess.Popen(
+        [sys.executable, "-c", STOP_THEN_END, sock], stdout=subprocess.PIPE, text=True
+    ) as job:
+        assert job.stdout.readline() == "listening\n"  # type: ignore[union-attr]
+        status, answer = control_client.call(sock, "POST", "/stop", {}, timeout=120)
+        assert (status, answer) == (200, {"ok": True, "stopping": True})
+        assert job.wait(timeout=120) == 0
