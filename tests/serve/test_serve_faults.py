@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from ckpt_factory import rewrite_in_place_setting_the_mtime_back
 from conftest import ckptctl_script, cpu_serve_job, run_script, wait_for_path, wait_until
-from fake_server import Behaviour, FakeServer
+from fake_server import Behaviour, FakeServer, rank_pid
 from fake_worker import ZmqWorkers
 from locations import TINY
 
@@ -378,17 +378,6 @@ def test_rollback_pushes_the_previous_whole_checkpoint_unless_it_changed(
         stop(job, sock)
 
 
-def _rank_zero(torchrun_pid: int) -> int:
-    """Rank 0 of a torchrun job: the one of its agent's children whose RANK is 0."""
-    with open(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children") as fh:
-        children = [int(p) for p in fh.read().split()]
-    for pid in children:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            if b"RANK=0" in fh.read().split(b"\0"):
-                return pid
-    raise AssertionError(f"no rank 0 among {children}")
-
-
 def test_a_second_sigterm_ends_the_job_at_once(short_tmp: Path) -> None:
     """Kubernetes sends SIGTERM, then waits: the first one stops the job cleanly (cancelling
     the push under way), a second one ends it on the spot, whatever it was still doing."""
@@ -399,7 +388,7 @@ def test_a_second_sigterm_ends_the_job_at_once(short_tmp: Path) -> None:
         site.workers.hold_at_bucket, site.workers.hold_every_update = 2, True
         running = push_in_background(sock)
         wait_until(site.workers.holding.is_set, what="the server's worker to hold a bucket")
-        rank = _rank_zero(job.pid)
+        rank = rank_pid(job, 0)
         os.kill(rank, signal.SIGTERM)
         # (Two signals sent at once would be one: the second is sent once the first is seen.)
         wait_until(lambda: status(sock)["state"] == "stopping", what="the job to be stopping")

@@ -20,7 +20,7 @@ import pytest
 from conftest import CPU_PS_RANK, run_script, wait_until
 from fake_server import Behaviour, FakeServer, running_job
 from locations import SERVE_RANK, TINY
-from torchrun_launch import torchrun_cmd
+from warm_launch import launcher_pid, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +151,7 @@ def test_a_flood_of_bare_connections_to_every_port_of_the_ranks_leaves_the_job_s
         )  # fmt: skip
         with _job(cmd) as job:
             _wait_serving(job, sock)
-            ranks = children(job.pid)
+            ranks = children(launcher_pid(job))
             assert len(ranks) == 2, ranks
             ports = [p for pid in ranks for p in tcp_listeners(pid)]
             assert ports, "no rank listens: the attack would prove nothing"
@@ -173,7 +173,7 @@ def test_the_command_group_of_a_one_node_job_listens_on_loopback_only(short_tmp:
     env = {"GLOO_SOCKET_IFNAME": "nonexistent0"}
     with _job(torchrun_cmd(SERVE_RANK, sock), env=env) as job:
         _wait_serving(job, sock)
-        ranks = children(job.pid)
+        ranks = children(launcher_pid(job))
         listeners = [p for pid in ranks for p in tcp_listeners(pid)]
         assert len(ranks) == 2 and listeners, (ranks, listeners)
         assert {address for address, _ in listeners} == {"127.0.0.1"}, listeners

@@ -581,7 +581,7 @@ def torchrun_job(
     one node of several), its output piped as text, `env` added to this environment. A test
     that fails in the block fails with the job's own stderr (`showing_stderr`); a job still
     running when the block ends is killed."""
-    from torchrun_launch import torchrun_cmd
+    from warm_launch import torchrun_cmd
 
     with running_job(torchrun_cmd(*program, **torchrun), env) as proc:
         yield proc
@@ -597,6 +597,21 @@ def one_process_job(
     CPU (every process imports torch), and the suite is CPU-bound."""
     with running_job([sys.executable, *program], env) as proc:
         yield proc
+
+
+def rank_pid(job: subprocess.Popen[str], rank: int) -> int:
+    """The pid of rank `rank` of the torchrun job `job`: the child of its launcher whose
+    environment says RANK=`rank`."""
+    from warm_launch import launcher_pid
+
+    launcher = launcher_pid(job)
+    with open(f"/proc/{launcher}/task/{launcher}/children") as fh:
+        children = [int(p) for p in fh.read().split()]
+    for pid in children:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            if f"RANK={rank}".encode() in fh.read().split(b"\0"):
+                return pid
+    raise AssertionError(f"no rank {rank} among {children}")
 
 
 def job_of_ranks(
@@ -676,7 +691,7 @@ def run_torchrun(
     port if another process took the chosen one before torchrun could bind it. A run that
     outlasts `timeout` (or the test's own timeout) gets SIGTERM first, which torchrun passes
     on to its ranks: killed outright, it would leave them running."""
-    from torchrun_launch import torchrun_cmd
+    from warm_launch import torchrun_cmd
 
     for attempt in range(3):
         cmd = torchrun_cmd(*program, nproc=nproc)

@@ -22,7 +22,7 @@ import pytest
 from cpu_jobs import update_consuming
 from fake_server import Behaviour, FakeServer
 from locations import CPU_PS_RANK, TINY
-from torchrun_launch import torchrun_cmd
+from warm_launch import torchrun_cmd
 
 MOVED = "model-00003-of-00003.safetensors"  # the shard that lives elsewhere
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_factory import mixed_tensors, write_real_checkpoint
-from torchrun_launch import torchrun_cmd
+from warm_launch import torchrun_cmd
 
 from ckptctl.ce.bare_import import engine_module
 from ckptctl.checkpoint import plan_split, read_checkpoint

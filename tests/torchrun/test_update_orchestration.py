@@ -17,7 +17,7 @@ from conftest import cpu_serve_job, wait_for_path
 from cpu_jobs import update_on_cpu
 from fake_server import Behaviour, FakeServer, run_torchrun
 from locations import CPU_PS_RANK, TINY
-from torchrun_launch import torchrun_cmd
+from warm_launch import torchrun_cmd
 
 pytestmark = pytest.mark.slow
 

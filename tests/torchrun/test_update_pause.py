@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import invoke, wait_until
 from fake_generation import in_flight
-from fake_server import Behaviour, FakeServer, run_torchrun, torchrun_job
+from fake_server import Behaviour, FakeServer, rank_pid, run_torchrun, torchrun_job
 from locations import CPU_PS_RANK, TINY
 
 pytestmark = pytest.mark.slow
@@ -230,16 +230,6 @@ def test_a_resume_is_retried_and_one_that_keeps_failing_fails_the_update() -> No
         assert b.generations().snapshot()["paused"]  # the stand-in really is left paused
 
 
-def _rank_pid(torchrun_pid: int, rank: int) -> int:
-    with open(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children") as fh:
-        children = [int(p) for p in fh.read().split()]
-    for pid in children:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            if f"RANK={rank}".encode() in fh.read().split(b"\0"):
-                return pid
-    raise AssertionError(f"no rank {rank} among {children}")
-
-
 @pytest.mark.parametrize(("sig", "rank"), [(signal.SIGTERM, 1), (signal.SIGKILL, 0)])
 def test_a_job_killed_while_its_servers_are_paused_resumes_every_one(
     sig: signal.Signals, rank: int
@@ -253,7 +243,7 @@ def test_a_job_killed_while_its_servers_are_paused_resumes_every_one(
         with torchrun_job(CPU_PS_RANK, *update_cmd(a, b), "--pause", "in_place", nproc=2) as job:
             wait_until(lambda: requests(a, "/update_weights_from_ipc"), what="the update")
             assert all(s.behaviour.generations().snapshot()["paused"] for s in (a, b))
-            os.kill(_rank_pid(job.pid, rank), sig)
+            os.kill(rank_pid(job, rank), sig)
             _, err = job.communicate(timeout=120)
         assert job.returncode != 0
         assert "interrupted by SIGTERM" in err, err[-3000:]

@@ -25,7 +25,7 @@ from cpu_jobs import UPDATE_ON_CPU
 from fake_server import Behaviour, FakeServer
 from pty_run import run_on_pty
 from rich.console import Console
-from torchrun_launch import torchrun_cmd
+from warm_launch import torchrun_cmd
 
 from ckptctl.job.node_progress import NodeProgress, parse
 from ckptctl.launch import LaunchInfo
