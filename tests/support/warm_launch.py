@@ -122,9 +122,12 @@ def _zygote_socket() -> str:
             log = open(os.path.join(_zygote_dir, "zygote.log"), "wb")  # noqa: SIM115
             # stdin stays a pipe from this process: when it closes (this worker ended, however),
             # the zygote kills what it launched and ends.
+            # (numpy's OpenBLAS starts a thread pool on import unless told not to: a fork of a
+            # process with threads may inherit a lock held by one of them and hang.)
             _zygote = subprocess.Popen(
                 [sys.executable, HERE, "serve", _zygote_dir],
                 stdin=subprocess.PIPE, stdout=log, stderr=log, close_fds=True,
+                env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
             )  # fmt: skip
             log.close()
             with open(os.path.join(_zygote_dir, "zygote.pid"), "w") as fh:
@@ -270,6 +273,12 @@ def serve(folder: str) -> None:
 
     for name in WARM_MODULES:
         importlib.import_module(name)
+    threads = os.listdir("/proc/self/task")
+    if len(threads) > 1:  # forks would inherit their locks, held or not: refuse, loudly
+        raise SystemExit(
+            f"warm_launch: importing torch's launcher started {len(threads) - 1} thread(s): "
+            f"forking it is not safe; run with {COLD_ENV}=1"
+        )
     gc.collect()
     gc.freeze()  # forks share these pages: the collector never writes to them
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
