@@ -132,17 +132,21 @@ def _zygote_socket() -> str:
             log.close()
             with open(os.path.join(_zygote_dir, "zygote.pid"), "w") as fh:
                 fh.write(f"{_zygote.pid}\n")
-            atexit.register(_stop_zygote, _zygote)
+            atexit.register(_stop_zygote, _zygote, _zygote_dir)
         return os.path.join(_zygote_dir, "zygote.sock")
 
 
-def _stop_zygote(zygote: subprocess.Popen[bytes]) -> None:
-    """At this worker's end: the zygote sees its stdin close, kills what it launched, ends."""
+def _stop_zygote(zygote: subprocess.Popen[bytes], folder: str) -> None:
+    """At this worker's end: the zygote sees its stdin close, kills what it launched, ends;
+    its folder goes (also that of one that failed to start)."""
+    import shutil
+
     zygote.stdin.close()  # type: ignore[union-attr]
     try:
         zygote.wait(timeout=10)
     except subprocess.TimeoutExpired:
         zygote.kill()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- the stub: what the test runs --------------------------------------------------------------
