@@ -171,7 +171,7 @@ class ControlServer:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._refusals = threading.BoundedSemaphore(8)
         self._closed = threading.Event()
-        self._answering: set[threading.Thread] = set()  # connections being served
+        self._answering: set[threading.Thread] = set()  # requests read, being answered
         self._answering_lock = threading.Lock()
         self._sock = _bind_private(path)
         st = os.lstat(path)
@@ -225,12 +225,9 @@ class ControlServer:
             if not self._slots.acquire(blocking=False):
                 self._refuse(conn, 503, f"more than {MAX_CONNECTIONS} connections at once")
                 continue
-            thread = threading.Thread(
+            threading.Thread(
                 target=self._serve, args=(conn,), name="ckptctl-control-conn", daemon=True
-            )
-            with self._answering_lock:
-                self._answering.add(thread)
-            thread.start()
+            ).start()
 
     def _refuse(self, conn: socket.socket, status: int, error: str) -> None:
         """Another uid (403), or too many connections (503): answered in a thread of its own,
@@ -269,6 +266,8 @@ class ControlServer:
                 send_json(conn, exc.status, {"ok": False, "error": str(exc)})
                 discard_rest(conn)
                 return
+            with self._answering_lock:  # (a client still sending its request is not waited for)
+                self._answering.add(threading.current_thread())
             try:
                 status, answer = handler(doc)
             except Exception as exc:  # noqa: BLE001 - one line on the job's stderr, never a traceback

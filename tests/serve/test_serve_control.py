@@ -651,3 +651,24 @@ def test_a_job_that_ends_right_after_a_stop_still_answers_it(short_tmp: Path) ->
         status, answer = control_client.call(sock, "POST", "/stop", {}, timeout=120)
         assert (status, answer) == (200, {"ok": True, "stopping": True})
         assert job.wait(timeout=120) == 0
+
+
+def test_a_client_still_sending_its_request_does_not_hold_the_job_at_its_end(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only answers already decided are waited for: a silent or trickling client (as many as
+    the connection cap) never delays the end of the job."""
+    import threading
+
+    monkeypatch.setattr(control, "ANSWER_GRACE_S", 600.0)  # waited for, it would fail the test
+    path = str(short_tmp / "ctl.sock")
+    server = ControlServer(path, Calls().handlers(), request_deadline_s=600.0).start()
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(path)
+    silent.sendall(b"POST /stop HTTP/1.1\r\n")  # and nothing more
+    assert control_client.call(path, "GET", "/status", None, timeout=60)[0] == 200
+    closing = threading.Thread(target=server.close)
+    closing.start()
+    closing.join(timeout=60)
+    silent.close()
+    assert not closing.is_alive()
