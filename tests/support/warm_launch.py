@@ -60,6 +60,15 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGUSR2)  # fmt: skip
 READY_TIMEOUT_S = 120  # a busy 2-core machine can take this long to import torch
 MAX_REQUEST = 1 << 20
+MAX_SOCKET_PATH = 100  # (sun_path holds 108 bytes)
+# Settings a Python process or torch's launcher reads once, at start (or at import): a job whose
+# environment differs from the zygote's in one of them is launched cold by its stub.
+_COLD_PREFIXES = ("PYTHON", "TORCH", "LC_")
+_COLD_NAMES = ("LANG", "LANGUAGE", "LOGLEVEL")
+
+
+def _start_settings(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_COLD_PREFIXES) or k in _COLD_NAMES}
 
 
 # --- in the test's process: the zygote of this pytest worker ---------------------------------
@@ -82,9 +91,13 @@ def torchrun_cmd(*program: str, cold: bool = False, **torchrun: Any) -> list[str
 
 
 def warm_cmd(*python_args: str) -> list[str]:
-    """`python -m MODULE ARGS` (`python_args`), run by a fork of this worker's zygote."""
+    """`python -m MODULE ARGS` (`python_args`), run by a fork of this worker's zygote (cold
+    where a socket cannot be made: a TMPDIR too long for one)."""
     assert python_args[0] == "-m", python_args
-    return [sys.executable, HERE, _zygote_socket(), *python_args]
+    sock = _zygote_socket()
+    if len(sock.encode()) >= MAX_SOCKET_PATH:
+        return [sys.executable, *python_args]
+    return [sys.executable, HERE, sock, *python_args]
 
 
 def is_warm(cmd: list[str]) -> bool:
@@ -92,20 +105,19 @@ def is_warm(cmd: list[str]) -> bool:
 
 
 def launcher_pid(proc: subprocess.Popen[Any], timeout: float = 60) -> int:
-    """The pid of the torchrun launcher behind `proc`: `proc.pid` for a cold one; for a warm
-    one, the pid its stub was told (a file beside the zygote's socket)."""
+    """The pid of the torchrun launcher behind `proc`: `proc.pid` for a cold one (and for a stub
+    that became one, `_COLD_KEYS`); for a warm one, the pid the zygote wrote beside its socket
+    for this stub while its launcher runs."""
     if not is_warm(list(proc.args)):  # type: ignore[arg-type]
         return proc.pid
     path = os.path.join(_zygote_dir, f"launcher-of-{proc.pid}")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with open(path) as fh:
-                text = fh.read()
-            if text.endswith("\n"):
-                return int(text)
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(FileNotFoundError, ValueError), open(path) as fh:
+            return int(fh.read())
+        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/cmdline", "rb") as fh:
+            if HERE.encode() not in fh.read():  # it exec'd the launcher itself
+                return proc.pid
         if proc.poll() is not None:
             raise AssertionError(f"the job ended (exit {proc.returncode}) before its launcher ran")
         time.sleep(0.02)
@@ -123,11 +135,12 @@ def _zygote_socket() -> str:
             # stdin stays a pipe from this process: when it closes (this worker ended, however),
             # the zygote kills what it launched and ends.
             # (numpy's OpenBLAS starts a thread pool on import unless told not to: a fork of a
-            # process with threads may inherit a lock held by one of them and hang.)
+            # process with threads may inherit a lock held by one of them and hang.) A session
+            # of its own: a terminal's Ctrl-C reaches each launcher once, through its stub.
             _zygote = subprocess.Popen(
                 [sys.executable, HERE, "serve", _zygote_dir],
                 stdin=subprocess.PIPE, stdout=log, stderr=log, close_fds=True,
-                env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+                env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}, start_new_session=True,
             )  # fmt: skip
             log.close()
             with open(os.path.join(_zygote_dir, "zygote.pid"), "w") as fh:
@@ -154,6 +167,10 @@ def _stop_zygote(zygote: subprocess.Popen[bytes], folder: str) -> None:
 
 def stub(sock_path: str, argv: list[str]) -> None:
     conn = _connect(sock_path)
+    with open(os.path.join(os.path.dirname(sock_path), "zygote.env")) as fh:
+        if json.load(fh) != _start_settings(dict(os.environ)):  # its own start differs: cold
+            conn.close()
+            os.execv(sys.executable, [sys.executable, *argv])
     ignored = [int(sig) for sig in FORWARDED if signal.getsignal(sig) == signal.SIG_IGN]
     request = {
         "argv": argv,
@@ -165,44 +182,49 @@ def stub(sock_path: str, argv: list[str]) -> None:
     }
     data = json.dumps(request).encode()
     fds = [fd for fd in (0, 1, 2) if _is_open(fd)]
-    conn.sendmsg(
-        [struct.pack("!I", len(data)) + bytes([*(fd in fds for fd in (0, 1, 2))]) + data],
-        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
-    )
-    reader = conn.makefile("rb")
-    launcher = 0
+    # Signals go to the launcher through the zygote (its parent: it signals no other process
+    # that took the pid), as "sig N" lines after the request; those that come before the
+    # request is out wait for it.
     pending: list[int] = []
+    sent = False
 
     def forward(signum: int, _frame: object) -> None:
-        if launcher:
-            os.kill(launcher, signum)
-        else:
+        if not sent:
             pending.append(signum)
+            return
+        with contextlib.suppress(OSError):
+            conn.sendall(f"sig {signum}\n".encode())
 
     for sig in FORWARDED:
         if sig not in ignored:  # (one the test's shell ignores stays ignored, as it would)
             signal.signal(sig, forward)
+    message = struct.pack("!I", len(data)) + bytes([*(fd in fds for fd in (0, 1, 2))]) + data
+    try:
+        done = conn.sendmsg(
+            [message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        )
+        conn.sendall(message[done:])
+        sent = True
+        for signum in pending:
+            conn.sendall(f"sig {signum}\n".encode())
+    except OSError as exc:
+        _die(f"warm_launch: the zygote took no request: {exc} ({_log_tail(sock_path)})")
+    reader = conn.makefile("rb")
     first = reader.readline().split()
     if first[:1] != [b"pid"]:
-        log = os.path.join(os.path.dirname(sock_path), "zygote.log")
-        _die(f"warm_launch: the zygote did not launch it: {first!r} (its log: {log})")
-    launcher = int(first[1])
-    mark = os.path.join(os.path.dirname(sock_path), f"launcher-of-{os.getpid()}")
-    with open(mark + ".tmp", "w") as fh:
-        fh.write(f"{launcher}\n")
-    os.rename(mark + ".tmp", mark)
-    for signum in pending:
-        os.kill(launcher, signum)
+        _die(f"warm_launch: the zygote did not launch it: {first!r} ({_log_tail(sock_path)})")
     end = reader.readline().split()
-    os.unlink(mark)
     if end[:1] == [b"exit"]:
         os._exit(int(end[1]))
     if end[:1] == [b"signal"]:
         signum = int(end[1])
-        signal.signal(signum, signal.SIG_DFL) if signum != signal.SIGKILL else None
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)
-    _die(f"warm_launch: the zygote went away before the launcher {launcher} ended")
+    _die(f"warm_launch: the zygote went away before the launcher {int(first[1])} ended")
 
 
 def _connect(sock_path: str) -> socket.socket:
@@ -269,12 +291,26 @@ def _is_open(fd: int) -> bool:
 # --- the zygote --------------------------------------------------------------------------------
 
 
+class _Launched:
+    """A launcher the zygote forked: its stub's connection (None once the stub is gone), what
+    the stub sent that is not read yet, and the file that names the launcher to the tests."""
+
+    def __init__(self, conn: socket.socket, mark: str) -> None:
+        self.conn: socket.socket | None = conn
+        self.unread = b""
+        self.mark = mark
+
+
 def serve(folder: str) -> None:
+    import ctypes  # noqa: F401 - (imported once here, not in each fork)
     import gc
     import importlib
+    import resource  # noqa: F401
+    import runpy  # noqa: F401
     import select
-    import shutil
+    import traceback  # noqa: F401
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (its launchers get SIGINT from their stubs)
     for name in WARM_MODULES:
         importlib.import_module(name)
     threads = os.listdir("/proc/self/task")
@@ -285,6 +321,8 @@ def serve(folder: str) -> None:
         )
     gc.collect()
     gc.freeze()  # forks share these pages: the collector never writes to them
+    with open(os.path.join(folder, "zygote.env"), "w") as fh:
+        json.dump(_start_settings(dict(os.environ)), fh)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.path.join(folder, "zygote.sock.tmp"))
     listener.listen(64)
@@ -293,94 +331,156 @@ def serve(folder: str) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    # launcher pid -> its stub's connection (None once the stub is gone)
-    launched: dict[int, socket.socket | None] = {}
-    while True:
-        stubs = {conn: pid for pid, conn in launched.items() if conn is not None}
-        for ready in select.select([listener, 0, wake_r, *stubs], [], [])[0]:
-            if ready is listener:
-                conn, _ = listener.accept()
-                pid = _launch(conn, [listener, *stubs], (wake_r, wake_w))
-                if pid:
-                    launched[pid] = conn
-            elif ready == 0:
-                if not os.read(0, 4096):  # the worker that started us is gone: so are its jobs
-                    for pid in launched:
-                        _kill(pid)
-                    shutil.rmtree(folder, ignore_errors=True)
-                    return
-            elif ready == wake_r:
-                os.read(wake_r, 4096)
-            elif not ready.recv(1):  # a stub was killed: so is its launcher (reaped below)
-                _kill(stubs[ready])
-                launched[stubs[ready]] = None
-                ready.close()
-        _reap(launched)
-
-
-def _launch(conn: socket.socket, others: list[socket.socket], pipe: tuple[int, int]) -> int:
-    """Fork a launcher for the request on `conn`; its pid (told to the stub), or 0."""
-    conn.settimeout(30)
+    launched: dict[int, _Launched] = {}
     try:
-        head, fds = _receive(conn)
+        while True:
+            stubs = {job.conn: pid for pid, job in launched.items() if job.conn is not None}
+            for ready in select.select([listener, 0, wake_r, *stubs], [], [])[0]:
+                if ready is listener:
+                    conn, _ = listener.accept()
+                    _launch(conn, folder, launched, [listener, *stubs], (wake_r, wake_w))
+                elif ready == 0:
+                    if not os.read(0, 4096):  # the worker that started us is gone
+                        return
+                elif ready == wake_r:
+                    os.read(wake_r, 4096)
+                else:
+                    _read_stub(stubs[ready], launched[stubs[ready]])
+            _reap(launched)
+    finally:  # however the zygote ends, no launcher of its outlives it
+        for pid in launched:
+            _kill(pid)
+
+
+def _launch(
+    conn: socket.socket, folder: str, launched: dict[int, _Launched],
+    others: list[socket.socket], pipe: tuple[int, int],
+) -> None:  # fmt: skip
+    """Fork a launcher for the request on `conn`, tell the stub its pid, and name it in a file
+    after the stub's pid (`launcher_pid`)."""
+    conn.settimeout(10)
+    try:
+        stub_pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[
+            0
+        ]
+        head, fds, unread = _receive(conn)
         request = json.loads(head)
     except (OSError, ValueError) as exc:
-        _refuse(conn, f"a bad request: {exc}")
-        return 0
-    pid = os.fork()
-    if pid == 0:
-        try:
-            for other in (*others, conn):
-                other.close()
-            for fd in pipe:
-                os.close(fd)
-            _become_launcher(request, fds)
-        finally:
-            os._exit(70)  # (_become_launcher never returns)
+        with contextlib.suppress(OSError):
+            conn.sendall(f"refused {exc}\n".encode())
+        conn.close()
+        return
+    # Blocked until the fork is its launcher: a signal the stub passes on meanwhile waits for
+    # it, where Python's after-fork code would have dropped it.
+    zygote = os.getpid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                for other in (*others, conn):
+                    other.close()
+                for fd in pipe:
+                    os.close(fd)
+                _become_launcher(request, fds, zygote)
+            finally:
+                os._exit(70)  # (_become_launcher never returns)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     for fd in fds.values():
         os.close(fd)
-    conn.settimeout(None)
-    conn.sendall(f"pid {pid}\n".encode())
-    return pid
+    job = _Launched(conn, os.path.join(folder, f"launcher-of-{stub_pid}"))
+    launched[pid] = job
+    with open(job.mark + ".tmp", "w") as fh:
+        fh.write(str(pid))
+    os.rename(job.mark + ".tmp", job.mark)
+    try:
+        conn.sendall(f"pid {pid}\n".encode())
+        conn.setblocking(False)
+    except OSError:  # the stub is gone already: so is its launcher
+        _stub_gone(pid, job)
+        return
+    job.unread = unread
+    _signal_lines(pid, job)
 
 
-def _receive(conn: socket.socket) -> tuple[bytes, dict[int, int]]:
-    """(the request's JSON, {0|1|2: the descriptor received for it})"""
+def _read_stub(pid: int, job: _Launched) -> None:
+    """What the stub sent: signals to pass on ("sig N"), or its end (its launcher's too)."""
+    try:
+        data = job.conn.recv(4096)  # type: ignore[union-attr]
+    except BlockingIOError:
+        return
+    except OSError:
+        data = b""
+    if not data:
+        _stub_gone(pid, job)
+        return
+    job.unread += data
+    _signal_lines(pid, job)
+
+
+def _signal_lines(pid: int, job: _Launched) -> None:
+    while b"\n" in job.unread:
+        line, _, job.unread = job.unread.partition(b"\n")
+        words = line.split()
+        if len(words) == 2 and words[0] == b"sig" and words[1].isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(pid, int(words[1]))  # (our child, not yet reaped: the pid is its)
+
+
+def _stub_gone(pid: int, job: _Launched) -> None:
+    """A stub killed outright takes its launcher with it (reaped later)."""
+    _kill(pid)
+    if job.conn is not None:
+        job.conn.close()
+        job.conn = None
+    with contextlib.suppress(OSError):
+        os.unlink(job.mark)
+
+
+def _receive(conn: socket.socket) -> tuple[bytes, dict[int, int], bytes]:
+    """(the request's JSON, {0|1|2: the descriptor received for it}, what came after it)"""
     fds = array.array("i")
     data, ancillary, _, _ = conn.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(3 * fds.itemsize))
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    while 0 < len(data) < 7:
-        data += conn.recv(7 - len(data))
-    if len(data) < 7:
-        raise ValueError("cut short")
-    (size,) = struct.unpack("!I", data[:4])
-    sent = [i for i in (0, 1, 2) if data[4 + i]]
-    if size > MAX_REQUEST or len(sent) != len(fds):
-        raise ValueError("a request that does not add up")
-    body = data[7:]
-    while len(body) < size:
-        more = conn.recv(size - len(body))
-        if not more:
+    received = {}
+    try:
+        while 0 < len(data) < 7:
+            data += conn.recv(7 - len(data))
+        if len(data) < 7:
             raise ValueError("cut short")
-        body += more
-    return body, dict(zip(sent, fds, strict=True))
+        (size,) = struct.unpack("!I", data[:4])
+        sent = [i for i in (0, 1, 2) if data[4 + i]]
+        if size > MAX_REQUEST or len(sent) != len(fds):
+            raise ValueError("a request that does not add up")
+        received = dict(zip(sent, fds, strict=True))
+        body = data[7:]
+        while len(body) < size:
+            more = conn.recv(size - len(body))
+            if not more:
+                raise ValueError("cut short")
+            body += more
+        return body[:size], received, body[size:]
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
-def _refuse(conn: socket.socket, why: str) -> None:
-    with contextlib.suppress(OSError):
-        conn.sendall(f"refused {why}\n".encode())
-    conn.close()
-
-
-def _become_launcher(request: dict[str, Any], fds: dict[int, int]) -> None:
-    """In the fork: become the process `python ARGV` would have been, then run ARGV's module as
-    `-m` does; end as that process would."""
+def _become_launcher(request: dict[str, Any], fds: dict[int, int], zygote: int) -> None:
+    """In the fork (the signals a stub passes on blocked): become the process `python ARGV`
+    would have been, then run ARGV's module as `-m` does; end as that process would."""
+    import ctypes
     import resource
     import runpy
     import traceback
 
+    # A zygote that ends, however, takes its launchers with it (PR_SET_PDEATHSIG).
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != zygote:
+        os._exit(70)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for sig in FORWARDED:
@@ -407,8 +507,12 @@ def _become_launcher(request: dict[str, Any], fds: dict[int, int]) -> None:
     sys.modules.pop(argv[1], None)  # `-m` runs the module as __main__ only, never imported
     code, interrupted = 1, False
     try:
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        code = 0
+        try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            code = 0
+        finally:  # (a signal from here on finds the process ending)
+            signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
@@ -427,6 +531,7 @@ def _become_launcher(request: dict[str, Any], fds: dict[int, int]) -> None:
         if interrupted:  # as Python ends on an uncaught KeyboardInterrupt: by SIGINT
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         os._exit(code & 0xFF)
 
 
@@ -435,7 +540,7 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _reap(launched: dict[int, socket.socket | None]) -> None:
+def _reap(launched: dict[int, _Launched]) -> None:
     """Tell each stub whose launcher ended how it ended."""
     while launched:
         try:
@@ -444,16 +549,22 @@ def _reap(launched: dict[int, socket.socket | None]) -> None:
             return
         if pid == 0:
             return
-        conn = launched.pop(pid, None)
-        if conn is None:
+        job = launched.pop(pid, None)
+        if job is None:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(job.mark)
+        if job.conn is None:
             continue
         if os.WIFSIGNALED(status):
             end = f"signal {os.WTERMSIG(status)}\n"
         else:
             end = f"exit {os.WEXITSTATUS(status)}\n"
+        job.conn.setblocking(True)
+        job.conn.settimeout(10)
         with contextlib.suppress(OSError):
-            conn.sendall(end.encode())
-        conn.close()
+            job.conn.sendall(end.encode())
+        job.conn.close()
 
 
 def probe() -> None:

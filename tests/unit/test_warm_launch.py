@@ -65,3 +65,41 @@ def test_a_stub_killed_outright_takes_its_launcher_with_it() -> None:
         proc.kill()
         proc.wait(timeout=60)
     wait_until(lambda: not os.path.exists(f"/proc/{launcher}"), 60, "the launcher to end")
+
+
+def test_stubs_killed_while_they_start_leave_the_zygote_serving_and_no_launcher() -> None:
+    """A job killed while it starts (a test that fails early ends its jobs): whether its stub
+    had sent its request, or been told its launcher's pid, or not, the zygote serves on and
+    kills that launcher (a zygote that ended left the launchers it forked running)."""
+    import warm_launch
+
+    for _ in range(8):
+        proc = subprocess.Popen(probe("sleep"), stdout=subprocess.DEVNULL)
+        proc.kill()
+        proc.wait(timeout=60)
+    zygote = warm_launch._zygote
+    assert zygote is not None and zygote.poll() is None
+    children = Path(f"/proc/{zygote.pid}/task/{zygote.pid}/children")
+    wait_until(lambda: not children.read_text().split(), 60, "the zygote's launchers to end")
+    assert subprocess.run(probe("exit0"), capture_output=True, timeout=120).returncode == 0
+
+
+def test_a_signal_sent_as_the_job_starts_ends_it() -> None:
+    """However early a test's SIGINT comes (before the stub has a launcher, before the fork
+    runs Python), the job ends: the stub's own Ctrl-C, or the launcher's."""
+    import time
+
+    for step in range(16):  # at moments spread over the stub's start, whatever they fall on
+        with running_job(probe("sleep"), None) as proc:
+            time.sleep(step * 0.008)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) in (1, -signal.SIGINT)
+
+
+def test_a_job_that_sets_what_python_reads_at_start_is_launched_cold() -> None:
+    """LOGLEVEL (torch's launcher reads it on import), PYTHON*, TORCH_*, the locale: a fork of
+    the zygote would keep the zygote's, so such a job runs `python -m` itself."""
+    env = {**os.environ, "LOGLEVEL": "INFO"}
+    with running_job(probe("sleep"), env) as proc:
+        started = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        assert launcher_pid(proc) == started["pid"] == proc.pid
