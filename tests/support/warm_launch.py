@@ -308,6 +308,7 @@ def serve(folder: str) -> None:
     import resource  # noqa: F401
     import runpy  # noqa: F401
     import select
+    import shutil
     import traceback  # noqa: F401
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (its launchers get SIGINT from their stubs)
@@ -347,9 +348,10 @@ def serve(folder: str) -> None:
                 else:
                     _read_stub(stubs[ready], launched[stubs[ready]])
             _reap(launched)
-    finally:  # however the zygote ends, no launcher of its outlives it
+    finally:  # however the zygote ends, no launcher of its outlives it, nor its folder
         for pid in launched:
             _kill(pid)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _launch(
