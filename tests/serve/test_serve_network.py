@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CPU_PS_RANK, run_script, wait_until
-from fake_server import Behaviour, FakeServer, running_job
+from fake_server import Behaviour, FakeServer, children, running_job
 from locations import SERVE_RANK, TINY
 from warm_launch import launcher_pid, torchrun_cmd
 
@@ -54,20 +54,6 @@ def tcp_listeners(pid: int) -> list[tuple[str, int]]:
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 address, port = fields[1].split(":")
                 found.append((_address(address, family), int(port, 16)))
-    return found
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (torchrun's ranks)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
     return found
 
 

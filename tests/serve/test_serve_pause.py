@@ -162,11 +162,12 @@ def test_three_servers_are_one_transaction(short_tmp: Path) -> None:
 
 def test_a_push_s_own_mode_its_stages_and_a_stop_while_paused(short_tmp: Path) -> None:
     """One TP2 server (its second rank pauses nothing and waits for the first's pause), serve
-    --pause none (the default): a push waits for the generations in flight (its "drain" stage); `push --pause in_place` holds them instead (no flush of the
-    cache, which SGLang would refuse), its pause and resume in the figures, the trace and the
-    metrics; a server that does not resume fails the push and is resumed by the next one; and
-    `ckptctl stop` while a push holds the server paused (its update request unanswered) ends
-    the job with the server resumed."""
+    --pause none (the default): a push waits for the generations in flight (its "drain" stage);
+    `push --pause in_place` holds them instead (no flush of the cache, which SGLang would
+    refuse), its pause and resume in the figures, the trace and the metrics; a server that does
+    not resume fails the push and is resumed by the next one; and `ckptctl stop` while a push
+    holds the server paused (its update request unanswered) ends the job with the server
+    resumed."""
     from test_observe_metrics import _first_scrape, _value
 
     site = Site()

@@ -599,19 +599,32 @@ def one_process_job(
         yield proc
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's ranks)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    stat = fh.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
 def rank_pid(job: subprocess.Popen[str], rank: int) -> int:
     """The pid of rank `rank` of the torchrun job `job`: the child of its launcher whose
     environment says RANK=`rank`."""
     from warm_launch import launcher_pid
 
-    launcher = launcher_pid(job)
-    with open(f"/proc/{launcher}/task/{launcher}/children") as fh:
-        children = [int(p) for p in fh.read().split()]
-    for pid in children:
+    ranks = children(launcher_pid(job))
+    for pid in ranks:
         with open(f"/proc/{pid}/environ", "rb") as fh:
             if f"RANK={rank}".encode() in fh.read().split(b"\0"):
                 return pid
-    raise AssertionError(f"no rank {rank} among {children}")
+    raise AssertionError(f"no rank {rank} among {ranks}")
 
 
 def job_of_ranks(

@@ -18,6 +18,8 @@ torch.distributed.run ARGS`, which stands for the launcher the way the real comm
   - killed outright (SIGKILL), it takes the launcher with it: the zygote kills it when the
     stub's connection closes, as the kernel would end a process killed that way.
 A test that needs the launcher's own pid (its children are the ranks) asks `launcher_pid`.
+A job whose environment differs from the zygote's in what Python or the launcher reads at start
+(`_start_settings`: PYTHON*, TORCH*, LOGLEVEL, the locale) is launched cold by its own stub.
 
 `CKPTCTL_TESTS_COLD_TORCHRUN=1` makes every job a plain `python -m torch.distributed.run`
 again, for comparison. The benchmarks and the GPU tests always launch it cold.
@@ -41,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 COLD_ENV = "CKPTCTL_TESTS_COLD_TORCHRUN"
@@ -67,7 +70,7 @@ _COLD_PREFIXES = ("PYTHON", "TORCH", "LC_")
 _COLD_NAMES = ("LANG", "LANGUAGE", "LOGLEVEL")
 
 
-def _start_settings(env: dict[str, str]) -> dict[str, str]:
+def _start_settings(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_COLD_PREFIXES) or k in _COLD_NAMES}
 
 
@@ -78,13 +81,13 @@ _zygote_dir = ""
 _zygote_lock = threading.Lock()
 
 
-def torchrun_cmd(*program: str, cold: bool = False, **torchrun: Any) -> list[str]:
+def torchrun_cmd(*program: str, **torchrun: Any) -> list[str]:
     """`torchrun_launch.torchrun_cmd(*program, **torchrun)`, launched warm (the stub) unless
-    `cold` or CKPTCTL_TESTS_COLD_TORCHRUN is set."""
+    CKPTCTL_TESTS_COLD_TORCHRUN is set."""
     from torchrun_launch import torchrun_cmd as cold_cmd
 
     cmd = cold_cmd(*program, **torchrun)
-    if cold or os.environ.get(COLD_ENV):
+    if os.environ.get(COLD_ENV):
         return cmd
     assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
     return warm_cmd(*cmd[1:])
@@ -106,8 +109,8 @@ def is_warm(cmd: list[str]) -> bool:
 
 def launcher_pid(proc: subprocess.Popen[Any], timeout: float = 60) -> int:
     """The pid of the torchrun launcher behind `proc`: `proc.pid` for a cold one (and for a stub
-    that became one, `_COLD_KEYS`); for a warm one, the pid the zygote wrote beside its socket
-    for this stub while its launcher runs."""
+    that exec'd one, `_start_settings`); for a warm one, the pid the zygote wrote beside its
+    socket for this stub while its launcher runs."""
     if not is_warm(list(proc.args)):  # type: ignore[arg-type]
         return proc.pid
     path = os.path.join(_zygote_dir, f"launcher-of-{proc.pid}")
@@ -168,7 +171,7 @@ def _stop_zygote(zygote: subprocess.Popen[bytes], folder: str) -> None:
 def stub(sock_path: str, argv: list[str]) -> None:
     conn = _connect(sock_path)
     with open(os.path.join(os.path.dirname(sock_path), "zygote.env")) as fh:
-        if json.load(fh) != _start_settings(dict(os.environ)):  # its own start differs: cold
+        if json.load(fh) != _start_settings(os.environ):  # its own start differs: cold
             conn.close()
             os.execv(sys.executable, [sys.executable, *argv])
     ignored = [int(sig) for sig in FORWARDED if signal.getsignal(sig) == signal.SIG_IGN]
@@ -218,9 +221,7 @@ def stub(sock_path: str, argv: list[str]) -> None:
         os._exit(int(end[1]))
     if end[:1] == [b"signal"]:
         signum = int(end[1])
-        for sig in FORWARDED:
-            signal.signal(sig, signal.SIG_DFL)
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):  # (SIGKILL has no handler to reset)
             signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)
@@ -323,7 +324,7 @@ def serve(folder: str) -> None:
     gc.collect()
     gc.freeze()  # forks share these pages: the collector never writes to them
     with open(os.path.join(folder, "zygote.env"), "w") as fh:
-        json.dump(_start_settings(dict(os.environ)), fh)
+        json.dump(_start_settings(os.environ), fh)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.path.join(folder, "zygote.sock.tmp"))
     listener.listen(64)
@@ -362,9 +363,8 @@ def _launch(
     after the stub's pid (`launcher_pid`)."""
     conn.settimeout(10)
     try:
-        stub_pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[
-            0
-        ]
+        credentials = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        stub_pid, _uid, _gid = struct.unpack("3i", credentials)
         head, fds, unread = _receive(conn)
         request = json.loads(head)
     except (OSError, ValueError) as exc:
@@ -447,7 +447,6 @@ def _receive(conn: socket.socket) -> tuple[bytes, dict[int, int], bytes]:
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    received = {}
     try:
         while 0 < len(data) < 7:
             data += conn.recv(7 - len(data))
